@@ -1,0 +1,15 @@
+"""Mode `off`: no drafts, so every round is one plain target step. The baseline all modes are compared with."""
+
+from __future__ import annotations
+
+from specchat.decoding.drafters.base import Proposal
+
+
+class PlainDecoding:
+    name = "off"
+
+    def propose(self, state, k, params, generator) -> Proposal:
+        return Proposal.empty(state.device)
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,190 @@
+"""The speculative loop: draft K, verify in one target forward, accept, roll back. Plain decoding is K=0."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from specchat.decoding.acceptance import EXACT, AcceptRule
+from specchat.decoding.cache import common_prefix, crop_to, forward_logits, new_cache
+from specchat.decoding.drafters.base import Drafter, Proposal
+from specchat.decoding.events import RoundRecord, TokenEvent
+from specchat.decoding.sampling import SamplingParams, logits_to_probs
+
+TOP_ALTERNATIVES = 5
+
+
+class TargetState:
+    """The target model, its KV cache and the tokens the cache covers.
+
+    Invariant between rounds: the cache holds `tokens[:-1]`; the last token is pending and is fed as
+    the first position of the next verify forward. Keeping it across generations lets a chat reuse
+    the cache of the conversation prefix.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache = new_cache(model)
+        self.tokens: list[int] = []
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context_len: int | None = getattr(model.config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def start(self, tokens: list[int]) -> int:
+        """Make the state cover `tokens`, reusing the cached common prefix; returns positions prefilled."""
+        keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)
+        crop_to(self.cache, keep)
+        self.tokens = list(tokens)
+        todo = self.tokens[keep:-1]
+        if todo:
+            forward_logits(self.model, self.cache, todo, keep=1)
+        return len(todo)
+
+    def verify(self, draft_ids: list[int]) -> torch.Tensor:
+        """Target logits for the pending token followed by the drafts: [K+1, V]."""
+        return forward_logits(self.model, self.cache, [self.tokens[-1], *draft_ids], keep=len(draft_ids) + 1)
+
+    def commit(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        crop_to(self.cache, len(self.tokens) - 1)
+
+
+@dataclass
+class Controls:
+    """Read at the start of every round, so another thread (the UI) may change them mid-reply."""
+
+    drafter: Drafter
+    k: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rule: AcceptRule = EXACT
+
+    @property
+    def mode(self) -> str:
+        return self.drafter.name
+
+
+def clock(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (CUDA launches are asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def one_hot(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[K] ids -> [K, V] float32: the q of a deterministic drafter."""
+    return torch.zeros(ids.numel(), vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
+
+
+def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
+    """[N, V] -> per row, the most likely (id, prob) pairs, for the token inspector."""
+    values, ids = torch.topk(probs, min(TOP_ALTERNATIVES, probs.shape[-1]), dim=-1)
+    return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def generate(
+    state: TargetState,
+    prompt: list[int],
+    controls: Controls,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    generator: torch.Generator | None = None,
+    decode: Callable[[int], str] = lambda _id: "",
+) -> Iterator[RoundRecord]:
+    """Yield one RoundRecord per target forward until EOS, `max_new_tokens` or the context limit.
+
+    Stop iterating to cancel: the state stays consistent after every round.
+    """
+    state.start(prompt)
+    limit = max_new_tokens
+    if state.context_len is not None:
+        limit = min(limit, state.context_len - len(prompt))
+    produced = 0
+    round_index = 0
+    while produced < limit:
+        drafter, params, rule = controls.drafter, controls.sampling, controls.rule
+        # never verify past the context window
+        room = None if state.context_len is None else state.context_len - len(state.tokens) - 1
+        k = max(0, min(controls.k, room if room is not None else controls.k, limit - produced - 1))
+
+        t0 = clock(state.device)
+        proposal = drafter.propose(state, k, params, generator) if k > 0 else Proposal.empty(state.device)
+        t1 = clock(state.device)
+        draft_ids = proposal.ids  # [K]
+        n_drafted = draft_ids.numel()
+        p = logits_to_probs(state.verify(draft_ids.tolist()), params)  # [K+1, V]
+        q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
+        verdict = rule(draft_ids, q, p, generator, params.greedy)
+        n = verdict.accepted
+        new = [*draft_ids[:n].tolist(), verdict.next_token]
+
+        stop_reason = None
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                new, stop_reason = new[: i + 1], "eos"
+                break
+        if produced + len(new) >= limit:
+            new = new[: limit - produced]
+            stop_reason = stop_reason or ("max_new_tokens" if limit == max_new_tokens else "context")
+        state.commit(new)
+        t2 = clock(state.device)
+
+        record = RoundRecord(
+            index=round_index,
+            mode=drafter.name,
+            draft_len=k,
+            drafted=n_drafted,
+            accepted=min(n, len(new)),
+            draft_calls=proposal.calls,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            rejected=draft_ids[n:].tolist(),
+            exact=rule.exact,
+            stop_reason=stop_reason,
+        )
+        record.tokens = _token_events(new, n, p, q, verdict.accept_probs, round_index, decode)
+        produced += len(new)
+        round_index += 1
+        yield record
+        if stop_reason is not None:
+            return
+
+
+def _token_events(new, n, p, q, accept_probs, round_index, decode) -> list[TokenEvent]:
+    """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
+    k = q.shape[0]
+    ids = torch.tensor(new, device=p.device)  # [E]
+    p_x = p[torch.arange(len(new), device=p.device), ids].tolist()
+    drafted = min(len(new), k)  # emitted positions that had a draft
+    q_x = q[torch.arange(drafted, device=q.device), ids[:drafted]].tolist()
+    top_p, top_q = top_alternatives(p[: len(new)]), top_alternatives(q[:drafted])
+    acc = accept_probs.tolist()
+    events = []
+    for i, tok in enumerate(new):
+        if k == 0:
+            kind = "target"
+        elif i < n:
+            kind = "accepted"
+        else:
+            kind = "resampled" if n < k else "bonus"
+        events.append(
+            TokenEvent(
+                id=tok,
+                text=decode(tok),
+                kind=kind,
+                round=round_index,
+                position=i + 1,
+                p=p_x[i],
+                q=q_x[i] if i < drafted else None,
+                accept_prob=acc[i] if kind == "accepted" else None,
+                top_p=top_p[i],
+                top_q=top_q[i] if i < drafted else (),
+            )
+        )
+    return events

@@ -1,0 +1,164 @@
+"""Exactness of the speculative loop on tiny random models: greedy identity and distribution tests."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
+from specchat.decoding.cache import forward_logits, new_cache
+from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.drafters.plain import PlainDecoding
+from specchat.decoding.sampling import logits_to_probs
+from specchat.verify import goodness_of_fit
+
+PROMPT = [1, 2, 3]
+ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the chance a correct rule fails
+
+
+def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None):
+    state = state or TargetState(target)
+    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+    generator = torch.Generator().manual_seed(seed)
+    records = list(generate(state, prompt, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=generator))
+    return [t.id for r in records for t in r.tokens], records
+
+
+class ResampleFromP(ExactRule):
+    """Deliberately broken: the right acceptance test, but a rejection resamples from p, not the residual."""
+
+    exact = False
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)
+        accept_probs = (px / qx).clamp(max=1.0)
+        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
+        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=False), accept_probs)
+
+
+# ---------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_greedy_matches_hf_generate(tiny_target, tiny_draft, k):
+    prompt = [3, 1, 4, 1, 5]
+    ref = tiny_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, min_new_tokens=48)
+    out, records = run(tiny_target, ModelDrafter(tiny_draft), prompt, k=k, params=SamplingParams(0), max_new_tokens=48)
+    assert out == ref[0, len(prompt) :].tolist()
+    assert sum(r.drafted - r.accepted for r in records) > 0  # the draft really disagreed sometimes
+
+
+def test_greedy_self_draft_accepts_everything(tiny_target):
+    """The target as its own draft: every draft accepted, every full block earns a bonus."""
+    out, records = run(tiny_target, ModelDrafter(tiny_target), PROMPT, k=4, params=SamplingParams(0), max_new_tokens=30)
+    ref = tiny_target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=30, min_new_tokens=30)
+    assert out == ref[0, len(PROMPT) :].tolist()
+    full = [r for r in records if r.drafted == 4]
+    assert full and all(r.accepted == 4 and r.tokens[-1].kind == "bonus" for r in full)
+
+
+def test_plain_mode_matches_hf_generate(tiny_target):
+    ref = tiny_target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    out, records = run(tiny_target, PlainDecoding(), PROMPT, k=4, params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref[0, len(PROMPT) :].tolist()
+    assert {t.kind for r in records for t in r.tokens} == {"target"}
+
+
+def test_cache_rolls_back_after_rejections(tiny_target, tiny_draft):
+    """After every round the target cache covers exactly tokens[:-1], and logits match a fresh forward."""
+    state = TargetState(tiny_target)
+    controls = Controls(ModelDrafter(tiny_draft), k=4, sampling=SamplingParams(0))
+    for record in generate(state, PROMPT, controls, max_new_tokens=40, eos_ids=set()):
+        assert state.cache.get_seq_length() == len(state.tokens) - 1
+    cached = state.verify([])[-1]
+    fresh = forward_logits(tiny_target, new_cache(tiny_target), state.tokens, keep=1)[-1]
+    torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-5)
+
+
+def test_eos_and_max_new_tokens_end_like_plain_decoding(tiny_target, tiny_draft):
+    ref, _ = run(tiny_target, PlainDecoding(), PROMPT, k=1, params=SamplingParams(0), max_new_tokens=40)
+    eos = ref[10]
+    first = ref.index(eos)
+    for k in (1, 3, 6):
+        state = TargetState(tiny_target)
+        controls = Controls(ModelDrafter(tiny_draft), k=k, sampling=SamplingParams(0))
+        records = list(generate(state, PROMPT, controls, max_new_tokens=40, eos_ids={eos}))
+        assert [t.id for r in records for t in r.tokens] == ref[: first + 1]
+        assert records[-1].stop_reason == "eos"
+        out, records = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=7)
+        assert out == ref[:7] and records[-1].stop_reason == "max_new_tokens"
+
+
+def test_seed_makes_sampling_reproducible(tiny_target, tiny_draft):
+    params = SamplingParams(1.0)
+    a, _ = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=params, max_new_tokens=30, seed=7)
+    b, _ = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=params, max_new_tokens=30, seed=7)
+    c, _ = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=params, max_new_tokens=30, seed=8)
+    assert a == b and a != c
+
+
+# ---------------------------------------------------------------- distribution tests
+
+
+def exact_joint(target, prompt, params, length):
+    """Enumerate the target's exact distribution over its first `length` tokens: {tuple: prob}."""
+    dist = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in dist.items():
+            logits = forward_logits(target, new_cache(target), prompt + list(prefix), keep=1)[-1]
+            for tok, p in enumerate(logits_to_probs(logits, params).tolist()):
+                if p > 0:
+                    nxt[prefix + (tok,)] = mass * p
+        dist = nxt
+    return dist
+
+
+def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0):
+    """`draws` independent generations of `length` tokens; the target state is reused (prefix cache)."""
+    state = TargetState(target)
+    generator = torch.Generator().manual_seed(seed)
+    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+    counts = Counter()
+    for _ in range(draws):
+        ids = [t.id for r in generate(state, PROMPT, controls, max_new_tokens=length, eos_ids=set(), generator=generator) for t in r.tokens]
+        counts[tuple(ids)] += 1
+    return counts
+
+
+SAMPLING_CASES = {
+    "t1": SamplingParams(1.0),
+    "t0.7-topk5": SamplingParams(0.7, top_k=5),
+    "topp0.8": SamplingParams(1.0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_sampled_output_matches_target_distribution(tiny_target, tiny_draft, case):
+    params = SAMPLING_CASES[case]
+    counts = sample_joint(tiny_target, ModelDrafter(tiny_draft), params, k=3, draws=3000, length=2)
+    result = goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 2))
+    assert result.passed(ALPHA), result
+
+
+def test_three_token_joint_with_long_drafts(tiny_target, tiny_draft):
+    params = SamplingParams(1.0)
+    counts = sample_joint(tiny_target, ModelDrafter(tiny_draft), params, k=5, draws=3000, length=3, seed=3)
+    result = goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 3))
+    assert result.passed(ALPHA), result
+
+
+@pytest.mark.parametrize("case", ["t1", "topp0.8"])
+def test_distribution_test_catches_a_broken_rule(tiny_target, tiny_draft, case):
+    """Proof the test has teeth: resampling from p instead of the residual must fail it."""
+    params = SAMPLING_CASES[case]
+    counts = sample_joint(tiny_target, ModelDrafter(tiny_draft), params, k=3, draws=3000, length=2, rule=ResampleFromP())
+    result = goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 2))
+    assert not result.passed(ALPHA), result
+
+
+def test_distribution_with_plain_decoding(tiny_target):
+    params = SamplingParams(0.7, top_k=5)
+    counts = sample_joint(tiny_target, PlainDecoding(), params, k=3, draws=2000, length=2)
+    assert goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 2)).passed(ALPHA)
