@@ -38,7 +38,9 @@ class RoundRecord:
     accepted: int  # drafts accepted
     draft_calls: int  # forward passes of the drafter this round
     draft_s: float
-    verify_s: float  # target forward + acceptance
+    verify_s: float  # target forward + acceptance + cache rollback
+    wall_s: float = 0.0  # the whole round, including building its events (what tokens/s is computed from)
+    prefill_s: float = 0.0  # round 0 only: encoding the prompt (the part not already cached)
     tokens: list[TokenEvent] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)  # draft ids proposed after the first rejection (incl. it)
     exact: bool = True

