@@ -34,9 +34,13 @@ def chi2_sf(x: float, dof: int) -> float:
 
 
 def _pool(keys: list, weight: dict, min_weight: float) -> list[list]:
-    """Group keys (rarest first) so every group's weight is at least min_weight."""
+    """Group keys (rarest first) so every group's weight is at least min_weight.
+
+    Ties are broken by the key itself, never by insertion order: in a two-sample test insertion
+    order tells which sample an outcome came from, and grouping by it would fake a difference.
+    """
     groups, current, acc = [], [], 0.0
-    for key in sorted(keys, key=lambda k: weight[k]):
+    for key in sorted(keys, key=lambda k: (weight[k], repr(k))):
         current.append(key)
         acc += weight[key]
         if acc >= min_weight:
@@ -86,3 +90,61 @@ def total_variation(a: Counter, b: Counter) -> float:
     """Empirical total-variation distance between two samples of outcomes."""
     na, nb = sum(a.values()), sum(b.values())
     return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
+
+
+def sample_continuations(
+    state, prompt: list[int], controls, *, draws: int, length: int, eos_ids: set[int], generator, stats=None
+) -> Counter:
+    """Counts of the first `length` tokens over `draws` independent generations from one prompt.
+
+    The target state is reused between draws, so the prompt is encoded once.
+    """
+    from specchat.decoding.loop import generate
+
+    counts: Counter = Counter()
+    for _ in range(draws):
+        tokens = []
+        for record in generate(state, prompt, controls, max_new_tokens=length, eos_ids=eos_ids, generator=generator):
+            tokens += [t.id for t in record.tokens]
+            if stats is not None:
+                stats.add(record)
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+def run_verify(session, prompt: list[int], *, samples: int, length: int, alpha: float, progress=None) -> dict:
+    """`samples` continuations with the session's mode and as many with plain sampling, compared.
+
+    Exact rules get a verdict from a chi-square homogeneity test at level `alpha`; an approximate
+    rule gets the measured total-variation distance instead of a verdict.
+    """
+    from specchat.decoding.drafters.plain import PlainDecoding
+    from specchat.decoding.loop import Controls
+    from specchat.decoding.stats import Stats
+
+    speculative = session.controls
+    plain = Controls(PlainDecoding(), k=0, sampling=speculative.sampling)
+    stats = Stats()
+    common = dict(draws=samples, length=length, eos_ids=session.eos_ids, generator=session.generator)
+    if progress:
+        progress(f"sampling {samples} continuations with mode {speculative.mode}...")
+    spec_counts = sample_continuations(session.state, prompt, speculative, stats=stats, **common)
+    if progress:
+        progress(f"sampling {samples} continuations with plain decoding...")
+    plain_counts = sample_continuations(session.state, prompt, plain, **common)
+    test = homogeneity(spec_counts, plain_counts)
+    exact = speculative.rule.exact
+    return {
+        "samples": samples,
+        "tokens": length,
+        "test": "chi-square homogeneity (2 x C, cells pooled to expected counts >= 5)",
+        "statistic": test.statistic,
+        "dof": test.dof,
+        "p_value": test.p_value,
+        "cells": test.cells,
+        "alpha": alpha,
+        "total_variation": total_variation(spec_counts, plain_counts),
+        "acceptance_rate": stats.acceptance_rate,
+        "exact": exact,
+        "verdict": ("pass" if test.passed(alpha) else "fail") if exact else "approximate",
+    }

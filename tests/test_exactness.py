@@ -1,7 +1,5 @@
 """Exactness of the speculative loop on tiny random models: greedy identity and distribution tests."""
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from specchat.decoding.cache import forward_logits, new_cache
 from specchat.decoding.drafters.model import ModelDrafter
 from specchat.decoding.drafters.plain import PlainDecoding
 from specchat.decoding.sampling import logits_to_probs
-from specchat.verify import goodness_of_fit
+from specchat.verify import goodness_of_fit, sample_continuations
 
 PROMPT = [1, 2, 3]
 ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the chance a correct rule fails
@@ -116,15 +114,10 @@ def exact_joint(target, prompt, params, length):
 
 
 def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0):
-    """`draws` independent generations of `length` tokens; the target state is reused (prefix cache)."""
-    state = TargetState(target)
-    generator = torch.Generator().manual_seed(seed)
+    """`draws` independent generations of `length` tokens from PROMPT (the prefix cache is reused)."""
     controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
-    counts = Counter()
-    for _ in range(draws):
-        ids = [t.id for r in generate(state, PROMPT, controls, max_new_tokens=length, eos_ids=set(), generator=generator) for t in r.tokens]
-        counts[tuple(ids)] += 1
-    return counts
+    generator = torch.Generator().manual_seed(seed)
+    return sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=length, eos_ids=set(), generator=generator)
 
 
 SAMPLING_CASES = {
@@ -162,3 +155,20 @@ def test_distribution_with_plain_decoding(tiny_target):
     params = SamplingParams(0.7, top_k=5)
     counts = sample_joint(tiny_target, PlainDecoding(), params, k=3, draws=2000, length=2)
     assert goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 2)).passed(ALPHA)
+
+
+def test_homogeneity_pools_without_bias_and_detects_a_difference():
+    """Two samples of one distribution pass; pooling rare outcomes must not depend on which sample they came from."""
+    from collections import Counter
+
+    from specchat.verify import homogeneity
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.full((400,), 1 / 400)  # many rare outcomes: most cells get pooled
+    a = Counter(torch.multinomial(probs, 300, replacement=True, generator=g).tolist())
+    b = Counter(torch.multinomial(probs, 300, replacement=True, generator=g).tolist())
+    assert homogeneity(a, b).passed(0.01)
+    skewed = probs.clone()
+    skewed[:40] *= 4
+    c = Counter(torch.multinomial(skewed / skewed.sum(), 300, replacement=True, generator=g).tolist())
+    assert not homogeneity(a, c).passed(0.01)

@@ -73,3 +73,10 @@ class ExactRule:
 
 
 EXACT = ExactRule()
+
+
+def parse_rule(spec: str) -> AcceptRule:
+    """`exact`, or `approx:<param>` for a lossy rule."""
+    if spec == "exact":
+        return EXACT
+    raise ValueError(f"unknown acceptance rule {spec!r}; use 'exact'")
