@@ -309,5 +309,19 @@ def print_verify(r: dict) -> None:
         console.print(f"[b red]FAIL[/]: the speculative outputs differ from plain sampling (p < {r['alpha']})")
 
 
+def register_commands() -> None:
+    """`tune` and `bench` live in their own modules (which import the option decorators above)."""
+    import importlib
+
+    for module, name in (("specchat.tune", "tune"), ("specchat.bench", "bench")):
+        try:
+            main.add_command(getattr(importlib.import_module(module), name))
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+
+
+register_commands()
+
 if __name__ == "__main__":  # pragma: no cover
     main()

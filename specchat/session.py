@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,6 +28,7 @@ class Turn:
     reply_ids: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     stop_reason: str | None = None  # "eos", "max_new_tokens", "context", or None when stopped early
+    sampling: list[SamplingParams] = field(default_factory=list)  # per round: the settings in force when it ended
 
 
 class Session:
@@ -56,6 +58,8 @@ class Session:
         self.turns: list[Turn] = []
         self.stats: dict[str, Stats] = {}  # per mode
         self.total = Stats()
+        # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
+        self.lock = threading.Lock()
         config = target.model.generation_config
         eos = config.eos_token_id if config is not None else None
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -86,6 +90,14 @@ class Session:
     def raw_prompt(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text)["input_ids"])
 
+    def check_message(self, text: str) -> None:
+        """Raise PromptTooLong now if `text` as the next user turn would not fit (reply() checks lazily)."""
+        self.check_fits(self.chat_prompt([*self.messages, {"role": "user", "content": text}]))
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, for showing rejected drafts and top alternatives."""
+        return self.target.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def check_fits(self, prompt: list[int]) -> None:
         limit = self.state.context_len
         if limit is not None and len(prompt) >= limit:
@@ -113,8 +125,21 @@ class Session:
         yield from self._run(prompt, turn)
 
     def _run(self, prompt: list[int], turn: Turn) -> Iterator[RoundRecord]:
+        for record in self._rounds(prompt):
+            with self.lock:
+                turn.rounds.append(record)
+                turn.sampling.append(self.controls.sampling)
+                turn.reply_ids += [t.id for t in record.tokens]
+                turn.reply += "".join(t.text for t in record.tokens)
+                turn.stop_reason = record.stop_reason
+                self.stats.setdefault(record.mode, Stats()).add(record)
+                self.total.add(record)
+            yield record
+
+    def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:
+        """The engine's rounds for one generation (a test double replaces only this)."""
         decoder = IncrementalDecoder(self.target.tokenizer, skip_special_tokens=True)
-        rounds = generate(
+        return generate(
             self.state,
             prompt,
             self.controls,
@@ -123,11 +148,3 @@ class Session:
             generator=self.generator,
             decode=decoder.push,
         )
-        for record in rounds:
-            turn.rounds.append(record)
-            turn.reply_ids += [t.id for t in record.tokens]
-            turn.reply += "".join(t.text for t in record.tokens)
-            turn.stop_reason = record.stop_reason
-            self.stats.setdefault(record.mode, Stats()).add(record)
-            self.total.add(record)
-            yield record

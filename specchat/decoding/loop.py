@@ -120,7 +120,9 @@ def generate(
         t1 = clock(state.device)
         draft_ids = proposal.ids  # [K]
         n_drafted = draft_ids.numel()
-        p = logits_to_probs(state.verify(draft_ids.tolist()), params)  # [K+1, V]
+        verify = getattr(drafter, "verify", None)
+        logits = verify(state, draft_ids.tolist()) if verify else state.verify(draft_ids.tolist())  # [K+1, V]
+        p = logits_to_probs(logits, params)  # [K+1, V]
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
         verdict = rule(draft_ids, q, p, generator, params.greedy)
         n = verdict.accepted

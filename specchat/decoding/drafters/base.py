@@ -39,3 +39,8 @@ class Drafter(Protocol):
 
     def reset(self) -> None:
         """Forget all cached state."""
+
+    # Optional: `verify(self, state, draft_ids: list[int]) -> [K+1, V] logits`. A self-speculative
+    # drafter that shares computation with the target (e.g. early exit reusing its KV entries) may
+    # run the verify forward itself; it must leave `state.cache` holding every layer for all tokens
+    # fed, as `TargetState.verify` does. Drafters without it use `state.verify`.

@@ -26,6 +26,14 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class ModelDrafter:
     name = "draft"
 
+    @classmethod
+    def build(cls, target, draft=None, **options) -> "ModelDrafter":
+        from specchat.decoding.drafters import ModeUnavailable
+
+        if draft is None:
+            raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
+        return cls(draft)
+
     def __init__(self, model) -> None:
         self.model = model
         self.reset()

@@ -8,6 +8,10 @@ from specchat.decoding.drafters.base import Proposal
 class PlainDecoding:
     name = "off"
 
+    @classmethod
+    def build(cls, target, draft=None, **options) -> "PlainDecoding":
+        return cls()
+
     def propose(self, state, k, params, generator) -> Proposal:
         return Proposal.empty(state.device)
 
