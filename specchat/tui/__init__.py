@@ -1,0 +1,1 @@
+"""The Textual chat app. It imports the session and the engine; nothing there imports it."""

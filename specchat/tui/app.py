@@ -1,0 +1,453 @@
+"""The specchat chat app: a thin App whose actions delegate to the session and the widgets.
+
+Generation runs in a thread worker that posts one RoundDone message per round (post_message is
+thread-safe and never blocks the decoder); the UI thread only draws.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from contextlib import closing
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable
+
+from rich.text import Text
+from textual import events, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Header, Input, RichLog
+from textual.worker import Worker, get_current_worker
+
+from specchat.decoding.drafters import MODES, ModeUnavailable
+from specchat.decoding.events import RoundRecord
+from specchat.decoding.stats import Stats
+from specchat.export import default_export_path, write_export
+from specchat.session import PromptTooLong, Session
+from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, TOKEN_VARIABLE_DEFAULTS, load_themes
+from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
+
+SPARK_ROUNDS = 40
+K_RANGE = (1, 16)
+TEMPERATURE_STEP = 0.1
+
+
+class RoundDone(Message):
+    """Posted by the generation thread after every round."""
+
+    def __init__(self, record: RoundRecord) -> None:
+        super().__init__()
+        self.record = record
+
+
+class ReplyFinished(Message):
+    def __init__(self, stopped: bool, error: str | None = None) -> None:
+        super().__init__()
+        self.stopped, self.error = stopped, error
+
+
+class ModeReady(Message):
+    """A drafter was built (or could not be) in a thread: building one may take seconds."""
+
+    def __init__(self, mode: str, error: str | None = None) -> None:
+        super().__init__()
+        self.mode, self.error = mode, error
+
+
+class LogLine(Message):
+    def __init__(self, text: str, level: str = "info") -> None:
+        super().__init__()
+        self.text, self.level = text, level
+
+
+class LogScreen(ModalScreen):
+    """Warnings, captured prints and log records: nothing is written over the chat screen."""
+
+    DEFAULT_CSS = """
+    LogScreen { align: center middle; }
+    LogScreen > RichLog { width: 90%; height: 80%; border: round $primary; background: $surface; }
+    """
+    BINDINGS = [Binding("escape,f12", "dismiss", "close log", id="log.close")]
+
+    def __init__(self, lines: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def compose(self) -> ComposeResult:
+        log = RichLog(wrap=True, markup=False, highlight=False)
+        log.border_title = "log (Esc to close)"
+        yield log
+
+    def on_mount(self) -> None:
+        log = self.query_one(RichLog)
+        if not self.lines:
+            log.write(Text("nothing logged yet", style="dim"))
+        for text, level in self.lines:
+            log.write(Text(text, style={"warning": "yellow", "error": "bold red"}.get(level, "")))
+
+
+class _LogHandler(logging.Handler):
+    """Routes log records (and, through logging.captureWarnings, Python warnings) to the app's log view."""
+
+    def __init__(self, app: "SpecChatApp") -> None:
+        super().__init__(logging.WARNING)
+        self.app = app
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.app.post_message(LogLine(self.format(record), record.levelname.lower()))
+        except Exception:  # never let logging break generation
+            pass
+
+
+class SpecChatApp(App):
+    """Chat with speculative decoding shown live."""
+
+    TITLE = "specchat"
+    CSS = """
+    #main { height: 1fr; }
+    #chat { width: 1fr; }
+    #side { width: 50; border-left: solid $panel-lighten-2; }
+    #prompt { margin: 0 1; }
+    """
+    BINDINGS = [
+        *(Binding(key.lower(), f"mode('{mode}')", mode, id=f"mode.{mode}") for mode, key in MODE_KEYS.items()),
+        Binding("escape", "stop", "stop", id="reply.stop"),
+        Binding("f9", "export", "export", id="session.export"),
+        Binding("f10", "toggle_rejected", "rejected", id="view.rejected"),
+        Binding("f12", "show_log", "log", id="view.log"),
+        Binding("ctrl+q", "quit", "quit", id="app.quit", priority=True),
+    ]
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        theme: str | None = None,
+        export_path: Path | None = None,
+        device_label: str = "",
+        dtype_label: str = "",
+        theme_dirs: list[Path] | None = None,
+    ) -> None:
+        super().__init__()
+        self.session = session
+        self.export_path = Path(export_path) if export_path else None
+        self.device_label, self.dtype_label = device_label, dtype_label
+        self.generating = False
+        self.reply_view: ReplyView | None = None
+        self.reply_stats = Stats()
+        self.recent: list[float] = []
+        self.unavailable: dict[str, str] = {}
+        if session.draft is None:
+            self.unavailable["draft"] = "F3 needs a separate draft model: start specchat with --draft MODEL"
+        self.pending_mode: str | None = None
+        self.log_lines: list[tuple[str, str]] = []
+        self.startup_notices: list[str] = []
+        self._log_handler: _LogHandler | None = None
+        self._setup_themes(theme, theme_dirs)
+        draft = f" + {session.draft.name}" if session.draft is not None else ""
+        where = " ".join(x for x in (device_label, dtype_label) if x)
+        self.sub_title = f"{session.target.name}{draft}" + (f" · {where}" if where else "")
+
+    # ------------------------------------------------------------------ setup
+    def _setup_themes(self, name: str | None, dirs: list[Path] | None) -> None:
+        loaded = load_themes(dirs)
+        for theme in loaded.themes.values():
+            self.register_theme(theme)
+        self.startup_notices += loaded.problems
+        wanted = name or DEFAULT_THEME
+        if wanted not in self.available_themes:
+            fallback = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else FALLBACK_THEME
+            if name is not None or wanted != DEFAULT_THEME:
+                self.startup_notices.append(f"theme {wanted!r} is not available; using {fallback!r}")
+            wanted = fallback
+        self.theme = wanted
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return dict(TOKEN_VARIABLE_DEFAULTS)
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False, icon="◆")
+        with Horizontal(id="main"):
+            with Vertical(id="chat"):
+                yield Conversation(id="conversation")
+                yield Legend(id="legend")
+                yield Input(placeholder="Message  (Enter sends · F2–F8 modes · Tab, then ←/→ inspects tokens)", id="prompt")
+            with Vertical(id="side"):
+                yield StatsPanel(id="stats-panel")
+                yield Inspector(id="inspector")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(Conversation).anchor()
+        self.query_one(Inspector).show_token(None, self.session.token_text)
+        self.refresh_panel()
+        self.query_one("#prompt", Input).focus()
+        self.begin_capture_print(self, stdout=True, stderr=True)
+        self._log_handler = _LogHandler(self)
+        logging.getLogger().addHandler(self._log_handler)
+        logging.captureWarnings(True)
+        for notice in self.startup_notices:
+            self.warn(notice)
+
+    def on_unmount(self) -> None:
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            logging.captureWarnings(False)
+
+    # ------------------------------------------------------------------ notices and log
+    def log_line(self, text: str, level: str = "info") -> None:
+        self.log_lines.append((f"{datetime.now():%H:%M:%S} {text}", level))
+
+    def warn(self, text: str, severity: str = "warning") -> None:
+        """A notice the user sees now, also kept in the log view (F12)."""
+        self.log_line(text, severity)
+        self.notify(text, severity=severity, timeout=6)
+
+    def on_print(self, event: events.Print) -> None:
+        if event.text.strip():
+            self.log_line(event.text.rstrip(), "error" if event.stderr else "info")
+
+    def on_log_line(self, message: LogLine) -> None:
+        self.log_line(message.text, message.level)
+
+    def action_show_log(self) -> None:
+        if isinstance(self.screen, LogScreen):
+            self.screen.dismiss()
+        else:
+            self.push_screen(LogScreen(list(self.log_lines)))
+
+    # ------------------------------------------------------------------ chat
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            self.notify("Type a message first.", severity="information", timeout=3)
+            return
+        if self.generating:
+            self.notify("A reply is still streaming: Esc stops it.", severity="warning", timeout=4)
+            return
+        try:
+            self.session.check_message(text)
+        except PromptTooLong as e:
+            self.warn(f"Message not sent: {e}. The conversation is kept; shorten the message.", "error")
+            return
+        event.input.value = ""
+        conversation = self.query_one(Conversation)
+        conversation.mount(UserView(text))
+        self.reply_view = ReplyView(len(self.session.turns))
+        self.reply_view.show_rejected = self.query_one(Legend).show_rejected
+        conversation.mount(self.reply_view)
+        conversation.anchor()
+        self.reply_stats = Stats()
+        self.set_generating(True)
+        self.generate_reply(text)
+
+    @work(thread=True, exclusive=True, group="reply")
+    def generate_reply(self, text: str) -> None:
+        """The decoder's thread: iterate the session's rounds, post each one, stop when cancelled."""
+        worker = get_current_worker()
+        error = None
+        try:
+            # closing(): stopping early runs the session's finally block here, so the turn is recorded
+            with closing(self.session.reply(text)) as rounds:
+                for record in rounds:
+                    self.post_message(RoundDone(record))
+                    if worker.is_cancelled:
+                        break
+        except PromptTooLong as e:
+            error = f"Message not sent: {e}"
+        except Exception as e:  # a failed reply must not take the app (and the conversation) down
+            logging.getLogger("specchat").error("generation failed:\n%s", traceback.format_exc())
+            error = f"Generation failed: {type(e).__name__}: {e} (details in the log, F12)"
+        self.post_message(ReplyFinished(worker.is_cancelled, error))
+
+    def on_round_done(self, message: RoundDone) -> None:
+        record = message.record
+        self.reply_stats.add(record)
+        if record.drafted:
+            self.recent = [*self.recent, record.accepted / record.drafted][-SPARK_ROUNDS:]
+        if self.reply_view is not None:
+            rejected = [self.session.token_text(t) for t in record.rejected]
+            self.reply_view.add_round(record, rejected)
+        self.refresh_panel()
+
+    def on_reply_finished(self, message: ReplyFinished) -> None:
+        self.set_generating(False)
+        if self.reply_view is not None:
+            turn = self.session.turns[-1] if self.session.turns else None
+            if message.error:
+                self.reply_view.set_status("error")
+            elif message.stopped:
+                self.reply_view.set_status(f"stopped · {len(self.reply_view.tokens)} tokens kept")
+            elif turn is not None and turn.stop_reason not in (None, "eos"):
+                self.reply_view.set_status(f"stopped at {turn.stop_reason.replace('_', ' ')}")
+        if message.error:
+            self.warn(message.error, "error")
+        self.refresh_panel()
+
+    def set_generating(self, value: bool) -> None:
+        self.generating = value
+        self.refresh_bindings()
+
+    def refresh_panel(self) -> None:
+        self.query_one(StatsPanel).show(
+            session=self.session, reply=self.reply_stats, recent=self.recent,
+            unavailable=self.unavailable, pending=self.pending_mode,
+        )
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.generating  # Esc appears in the footer only while a reply streams
+        return True
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.workers.cancel_group(self, "reply")
+            self.notify("Stopping after this round; the partial reply is kept.", timeout=3)
+
+    # ------------------------------------------------------------------ modes
+    def action_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            self.warn(f"unknown mode {mode!r}")
+            return
+        if mode in self.unavailable:
+            self.warn(f"{MODE_KEYS[mode]} {mode}: {self.unavailable[mode]}")
+            return
+        if mode == self.session.mode and self.pending_mode is None:
+            self.notify(f"Already in mode {mode}.", timeout=2)
+            return
+        self.pending_mode = mode
+        self.refresh_panel()
+        self.build_mode(mode)
+
+    @work(thread=True, exclusive=True, group="mode")
+    def build_mode(self, mode: str) -> None:
+        """Build the drafter off the UI thread (a quantised or low-rank copy can take seconds)."""
+        try:
+            self.session.drafter(mode)
+        except ModeUnavailable as e:
+            self.post_message(ModeReady(mode, str(e)))
+            return
+        except Exception as e:
+            logging.getLogger("specchat").error("building mode %s failed:\n%s", mode, traceback.format_exc())
+            self.post_message(ModeReady(mode, f"building it failed: {type(e).__name__}: {e}"))
+            return
+        if not get_current_worker().is_cancelled:
+            self.post_message(ModeReady(mode))
+
+    def on_mode_ready(self, message: ModeReady) -> None:
+        if message.mode != self.pending_mode:
+            return  # the user pressed another mode key meanwhile
+        self.pending_mode = None
+        if message.error:
+            self.unavailable[message.mode] = message.error
+            self.warn(f"{MODE_KEYS[message.mode]} {message.mode} is unavailable: {message.error}")
+        else:
+            self.session.set_mode(message.mode)  # cheap now: the drafter is built; the next round uses it
+            when = " from the next round" if self.generating else ""
+            self.notify(f"Mode {message.mode}{when}: {MODES[message.mode]}", timeout=3)
+        self.refresh_panel()
+
+    # ------------------------------------------------------------------ settings
+    def action_draft_length(self, delta: int) -> None:
+        controls = self.session.controls
+        controls.k = max(K_RANGE[0], min(K_RANGE[1], controls.k + delta))
+        self.notify(f"Draft length K = {controls.k}", timeout=2)
+        self.refresh_panel()
+
+    def set_sampling(self, **changes) -> None:
+        """SamplingParams is frozen: swap in a new one; the loop reads it at the next round."""
+        controls = self.session.controls
+        try:
+            controls.sampling = replace(controls.sampling, **changes)
+        except ValueError as e:
+            self.warn(str(e))
+            return
+        s = controls.sampling
+        self.notify("Greedy decoding" if s.greedy else f"Sampling at temperature {s.temperature:g}", timeout=2)
+        self.refresh_panel()
+
+    def action_temperature(self, delta: float) -> None:
+        t = round(max(0.0, self.session.controls.sampling.temperature + delta), 2)
+        self.set_sampling(temperature=t)
+
+    def action_toggle_greedy(self) -> None:
+        s = self.session.controls.sampling
+        if s.greedy:
+            self.set_sampling(temperature=getattr(self, "_last_temperature", 0.7))
+        else:
+            self._last_temperature = s.temperature
+            self.set_sampling(temperature=0.0)
+
+    def action_toggle_rejected(self) -> None:
+        legend = self.query_one(Legend)
+        legend.show_rejected = not legend.show_rejected
+        legend.refresh()
+        for reply in self.query(ReplyView):
+            reply.show_rejected = legend.show_rejected
+            reply.refresh(layout=True)
+        self.notify("Showing rejected drafts inline" if legend.show_rejected else "Hiding rejected drafts", timeout=2)
+
+    def action_set_theme(self, name: str) -> None:
+        self.theme = name
+
+    # ------------------------------------------------------------------ export
+    def action_export(self) -> None:
+        path = self.export_path or default_export_path()
+        try:
+            json_path, csv_path = write_export(self.session, path, device_label=self.device_label, dtype_label=self.dtype_label)
+        except OSError as e:
+            self.warn(f"Export failed: {e}", "error")
+            return
+        self.log_line(f"exported {json_path} and {csv_path}")
+        self.notify(f"Exported {json_path.name} and {csv_path.name} to {json_path.parent}", timeout=5)
+
+    # ------------------------------------------------------------------ inspector
+    def on_conversation_token_selected(self, message: Conversation.TokenSelected) -> None:
+        self.query_one(Inspector).show_token(message.token, self.session.token_text)
+
+    # ------------------------------------------------------------------ command palette
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for mode, key in MODE_KEYS.items():
+            note = f" (unavailable: {self.unavailable[mode]})" if mode in self.unavailable else ""
+            yield SystemCommand(f"Mode: {mode} ({key})", MODES[mode] + note, lambda m=mode: self.action_mode(m))
+        yield SystemCommand("Stop reply (Esc)", "Stop the streaming reply; keep what was generated",
+                            self.action_stop)
+        yield SystemCommand("Export session (F9)", "Write the session as JSON and CSV", self.action_export)
+        yield SystemCommand("Toggle rejected drafts (F10)", "Show or hide draft tokens the target rejected",
+                            self.action_toggle_rejected)
+        yield SystemCommand("Show log (F12)", "Warnings and messages from the models", self.action_show_log)
+        yield SystemCommand("Draft length up", "K + 1 from the next round", lambda: self.action_draft_length(1))
+        yield SystemCommand("Draft length down", "K - 1 from the next round", lambda: self.action_draft_length(-1))
+        yield SystemCommand("Temperature up", f"+{TEMPERATURE_STEP} from the next round",
+                            lambda: self.action_temperature(TEMPERATURE_STEP))
+        yield SystemCommand("Temperature down", f"-{TEMPERATURE_STEP} from the next round (0 is greedy)",
+                            lambda: self.action_temperature(-TEMPERATURE_STEP))
+        yield SystemCommand("Greedy / sampling", "Toggle greedy decoding and sampling", self.action_toggle_greedy)
+        for name in ("dark", "light", "colorblind"):
+            if name in self.available_themes:
+                yield SystemCommand(f"Theme: {name}", f"Switch to the {name} theme", lambda n=name: self.action_set_theme(n))
+        yield from super().get_system_commands(screen)
+
+
+def run_chat(
+    session: Session,
+    *,
+    theme: str | None = None,
+    export_path: Path | None = None,
+    device_label: str = "",
+    dtype_label: str = "",
+) -> None:
+    """Run the chat app on a loaded session; on exit (also after a crash) write the export if asked."""
+    app = SpecChatApp(session, theme=theme, export_path=export_path, device_label=device_label, dtype_label=dtype_label)
+    try:
+        app.run()
+    finally:
+        if export_path is not None:
+            json_path, csv_path = write_export(session, Path(export_path), device_label=device_label, dtype_label=dtype_label)
+            print(f"specchat: session exported to {json_path} and {csv_path}")

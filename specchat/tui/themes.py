@@ -1,0 +1,141 @@
+"""Themes from TOML files: Textual colours plus one colour and text style per token kind.
+
+Built-in themes live in the repository's `themes/` directory, shipped inside the package as
+`specchat/themes` (a link to it in a checkout, package data once installed). A user theme directory
+(platformdirs' config dir, `themes/`) is read after them, so a user file may replace a built-in one.
+A broken file is reported (the app shows a notice) and skipped: the app falls back to the default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+from textual.color import Color, ColorParseError
+from textual.theme import Theme
+
+DEFAULT_THEME = "dark"
+FALLBACK_THEME = "textual-dark"  # a Textual built-in, used only if no specchat theme file can be read
+
+TOKEN_KINDS = ("accepted", "resampled", "bonus", "target", "rejected")
+TEXT_STYLES = {"none", "bold", "dim", "italic", "underline", "strike", "reverse"}
+THEME_COLORS = ("primary", "secondary", "accent", "foreground", "background", "surface", "panel", "boost",
+                "warning", "error", "success")
+
+# Used for any theme without token colours (Textual's own themes): every CSS variable must exist.
+TOKEN_VARIABLE_DEFAULTS = {
+    "token-accepted": "#57c7a4",
+    "token-resampled": "#f47067",
+    "token-bonus": "#e5c07b",
+    "token-target": "$foreground",
+    "token-rejected": "$text-muted",
+    "token-accepted-style": "none",
+    "token-resampled-style": "bold",
+    "token-bonus-style": "underline",
+    "token-target-style": "none",
+    "token-rejected-style": "strike",
+}
+
+
+class ThemeError(ValueError):
+    """A theme file that cannot be used; the message says which file and why."""
+
+
+@dataclass
+class LoadedThemes:
+    themes: dict[str, Theme] = field(default_factory=dict)
+    sources: dict[str, Path] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # one line per broken file
+
+
+def builtin_theme_dirs() -> list[Path]:
+    """The package's themes (installed: package data) and the checkout's top-level themes/ directory."""
+    here = Path(__file__).resolve().parent
+    candidates = [here.parent / "themes", here.parent.parent / "themes"]
+    found: list[Path] = []
+    for path in candidates:
+        if path.is_dir() and path.resolve() not in [p.resolve() for p in found]:
+            found.append(path)
+    return found
+
+
+def user_theme_dir() -> Path:
+    return platformdirs.user_config_path("specchat") / "themes"
+
+
+def _check_color(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise ThemeError(f"{where} must be a colour string, got {value!r}")
+    try:
+        Color.parse(value)
+    except ColorParseError as e:
+        raise ThemeError(f"{where}: {value!r} is not a colour") from e
+    return value
+
+
+def _check_text_style(value, where: str) -> str:
+    words = value.split() if isinstance(value, str) else None
+    if not words or not set(words) <= TEXT_STYLES:
+        raise ThemeError(f"{where}: {value!r} is not a text style (use {', '.join(sorted(TEXT_STYLES))})")
+    return value
+
+
+def theme_from_toml(text: str, default_name: str) -> Theme:
+    """Parse and validate one theme file's text; raises ThemeError with a one-line reason."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ThemeError(f"not valid TOML ({e})") from e
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ThemeError("name must be a non-empty string")
+    colors = data.get("colors", {})
+    if not isinstance(colors, dict) or "primary" not in colors:
+        raise ThemeError("[colors] must set at least primary")
+    unknown = set(colors) - set(THEME_COLORS)
+    if unknown:
+        raise ThemeError(f"[colors] has unknown keys: {', '.join(sorted(unknown))}")
+    kwargs = {key: _check_color(value, f"colors.{key}") for key, value in colors.items()}
+    variables = {}
+    for kind, value in data.get("tokens", {}).items():
+        if kind not in TOKEN_KINDS:
+            raise ThemeError(f"[tokens] has unknown kind {kind!r} (kinds: {', '.join(TOKEN_KINDS)})")
+        variables[f"token-{kind}"] = _check_color(value, f"tokens.{kind}")
+    for kind, value in data.get("token-styles", {}).items():
+        if kind not in TOKEN_KINDS:
+            raise ThemeError(f"[token-styles] has unknown kind {kind!r}")
+        variables[f"token-{kind}-style"] = _check_text_style(value, f"token-styles.{kind}")
+    extra = data.get("variables", {})
+    if not isinstance(extra, dict):
+        raise ThemeError("[variables] must be a table")
+    variables.update({str(k): str(v) for k, v in extra.items()})
+    dark = data.get("dark", True)
+    if not isinstance(dark, bool):
+        raise ThemeError("dark must be true or false")
+    theme = Theme(name=name, dark=dark, variables=variables, **kwargs)
+    try:
+        theme.to_color_system().generate()
+    except Exception as e:  # Textual raises several kinds for a bad colour system
+        raise ThemeError(f"Textual cannot build it ({e})") from e
+    return theme
+
+
+def load_themes(dirs: list[Path] | None = None) -> LoadedThemes:
+    """Read every *.toml in the built-in dirs, then the user dir; later files replace earlier names."""
+    if dirs is None:
+        dirs = [*builtin_theme_dirs(), user_theme_dir()]
+    loaded = LoadedThemes()
+    for directory in dirs:
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.toml")):
+            try:
+                theme = theme_from_toml(path.read_text(encoding="utf-8"), path.stem)
+            except (OSError, UnicodeDecodeError, ThemeError) as e:
+                loaded.problems.append(f"theme file {path} is broken: {e}")
+                continue
+            loaded.themes[theme.name] = theme
+            loaded.sources[theme.name] = path
+    return loaded
