@@ -29,7 +29,7 @@ from specchat.decoding.events import RoundRecord
 from specchat.decoding.stats import Stats
 from specchat.export import default_export_path, write_export
 from specchat.session import PromptTooLong, Session
-from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, TOKEN_VARIABLE_DEFAULTS, load_themes
+from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
 
 SPARK_ROUNDS = 40
@@ -169,7 +169,7 @@ class SpecChatApp(App):
         self.theme = wanted
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
-        return dict(TOKEN_VARIABLE_DEFAULTS)
+        return token_defaults(self.current_theme)
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="◆")

@@ -29,14 +29,26 @@ TOKEN_VARIABLE_DEFAULTS = {
     "token-accepted": "#57c7a4",
     "token-resampled": "#f47067",
     "token-bonus": "#e5c07b",
-    "token-target": "$foreground",
-    "token-rejected": "$text-muted",
+    "token-target": "#d8dee9",  # replaced by the theme's foreground (token_defaults)
+    "token-rejected": "#6e7681",  # replaced by the foreground at half strength
     "token-accepted-style": "none",
     "token-resampled-style": "bold",
     "token-bonus-style": "underline",
     "token-target-style": "none",
     "token-rejected-style": "strike",
 }
+
+
+def token_defaults(theme: Theme) -> dict[str, str]:
+    """Token variables for a theme that does not set them: plain and rejected tokens follow its foreground."""
+    defaults = dict(TOKEN_VARIABLE_DEFAULTS)
+    try:
+        foreground = theme.to_color_system().generate()["foreground"]
+    except Exception:  # a theme Textual accepted should always generate; never fail the stylesheet for it
+        return defaults
+    defaults["token-target"] = foreground
+    defaults["token-rejected"] = f"{foreground} 45%"
+    return defaults
 
 
 class ThemeError(ValueError):
