@@ -1,0 +1,86 @@
+"""Mode `earlyexit`: the draft is the target's first E layers, its final norm and LM head; all layers verify.
+
+The draft shares the target's KV cache. Layers 0..E-1 see exactly the same inputs in the draft pass
+as in the full model, so the keys and values the draft writes there are the target's own. The
+verify forward (this drafter's `verify`, called by the loop instead of `state.verify`) therefore
+only runs the pending K-th draft through layers 0..E-1 and then layers E..N-1 over the hidden
+states the draft already computed. A round costs K draft steps of E layers plus a verify of N-E
+layers, instead of plus a verify of N layers (HF's `assistant_early_exit` keeps a second cache and
+recomputes). After acceptance `state.commit` crops every layer to the accepted length.
+
+Extra memory: K hidden states of one row each; no cache, no weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.decoding.cache import crop_to
+from specchat.decoding.drafters.base import Proposal
+from specchat.decoding.drafters.layers import Decoder
+from specchat.decoding.sampling import logits_to_probs, sample
+from specchat.decoding.tuned import load_tuned
+
+
+def builtin_exit(n_layers: int) -> int:
+    """Without a tuned E: stop ~1/8 from the end (on SmolLM2 agreement falls fast as E drops)."""
+    return max(1, n_layers - max(1, n_layers // 8))
+
+
+class EarlyExitDrafter:
+    name = "earlyexit"
+
+    @classmethod
+    def build(cls, target, draft=None, *, exit_layer=None, **options) -> "EarlyExitDrafter":
+        from specchat.decoding.drafters import ModeUnavailable
+
+        decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures
+        if exit_layer is None:
+            tuned = load_tuned(target, "earlyexit")
+            exit_layer = tuned["exit_layer"] if tuned else builtin_exit(decoder.n_layers)
+        if not 1 <= exit_layer < decoder.n_layers:
+            raise ModeUnavailable(f"--exit-layer must be in 1..{decoder.n_layers - 1} for this model, got {exit_layer}")
+        return cls(decoder, exit_layer)
+
+    def __init__(self, decoder: Decoder, exit_layer: int) -> None:
+        self.decoder = decoder
+        self.exit_layer = exit_layer
+        self.reset()
+
+    def reset(self) -> None:
+        # what the last propose left for verify: (state, cached length before it, draft ids, hidden states)
+        self.pending: tuple | None = None
+
+    extra_bytes = 0  # hidden states only (K x D), freed each round
+
+    def propose(self, state, k, params, generator) -> Proposal:
+        past = len(state.tokens) - 1  # the target cache holds tokens[:-1] between rounds
+        crop_to(state.cache, past)  # no-op unless an earlier round was interrupted between propose and verify
+        feed = state.tokens[-1]
+        ids, qs, hidden = [], [], []
+        for i in range(k):
+            # layers 0..E-1 write the target's own KV entries for `feed`
+            h = self.decoder.run(self.decoder.embed([feed]), range(self.exit_layer), state.cache, past + i)  # [1, 1, D]
+            q = logits_to_probs(self.decoder.logits(h)[-1], params)  # [V] float32: exactly what the token is drawn from
+            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
+            ids.append(token)
+            qs.append(q)
+            hidden.append(h)
+            feed = token
+        self.pending = (state, past, ids, hidden)
+        return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs) if qs else None, calls=k)  # [K], [K, V]
+
+    def verify(self, state, draft_ids: list[int]) -> torch.Tensor:
+        """Target logits [K+1, V] for the pending token and the drafts, reusing the draft's layers 0..E-1."""
+        past = len(state.tokens) - 1
+        pending, self.pending = self.pending, None
+        E, n = self.exit_layer, self.decoder.n_layers
+        if pending is not None and pending[0] is state and pending[1] == past and pending[2] == draft_ids and draft_ids:
+            # the draft fed tokens[-1], d1..d(K-1) through layers < E; only dK is missing there
+            h_last = self.decoder.run(self.decoder.embed(draft_ids[-1:]), range(E), state.cache, past + len(draft_ids))
+            hidden = torch.cat([*pending[3], h_last], dim=1)  # [1, K+1, D]
+        else:  # nothing reusable (K = 0, or another drafter proposed): run layers < E on the whole chunk
+            crop_to(state.cache, past)
+            hidden = self.decoder.run(self.decoder.embed([state.tokens[-1], *draft_ids]), range(E), state.cache, past)
+        hidden = self.decoder.run(hidden, range(E, n), state.cache, past)  # [1, K+1, D]
+        return self.decoder.logits(hidden)  # [K+1, V]

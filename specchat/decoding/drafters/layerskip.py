@@ -1,0 +1,79 @@
+"""Mode `layerskip`: the target's own weights with chosen layers skipped as the draft; all layers verify.
+
+The draft pass keeps its own KV cache: once a layer is skipped, every later layer sees a different
+residual stream than in the full model, so its keys and values differ from the target's and must
+not be mixed into the target cache (DESIGN.md section 3, pitfall 7). Skipped layers' cache slots
+stay empty. Extra memory: that cache (K/V of the kept layers), no weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specchat.decoding.cache import common_prefix, crop_to, new_cache
+from specchat.decoding.drafters.base import Proposal
+from specchat.decoding.drafters.layers import Decoder, cache_bytes
+from specchat.decoding.sampling import logits_to_probs, sample
+from specchat.decoding.tuned import load_tuned
+
+
+def builtin_skip(n_layers: int) -> list[int]:
+    """Without a tuned set: two adjacent layers at ~2/3 depth, where SmolLM2 kept ~0.88 greedy agreement."""
+    if n_layers < 3:
+        return []
+    mid = (2 * n_layers) // 3
+    return sorted({min(mid, n_layers - 2), min(mid + 1, n_layers - 2)})
+
+
+def check_skip(skip: list[int], n_layers: int) -> list[int]:
+    from specchat.decoding.drafters import ModeUnavailable
+
+    bad = [i for i in skip if not 0 <= i < n_layers]
+    if bad:
+        raise ModeUnavailable(f"--skip-layers {bad} out of range: the model has layers 0..{n_layers - 1}")
+    if len(set(skip)) >= n_layers:
+        raise ModeUnavailable("--skip-layers would skip every layer")
+    return sorted(set(skip))
+
+
+class LayerSkipDrafter:
+    name = "layerskip"
+
+    @classmethod
+    def build(cls, target, draft=None, *, skip_layers=None, **options) -> "LayerSkipDrafter":
+        decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures
+        if skip_layers is None:
+            tuned = load_tuned(target, "layerskip")
+            skip_layers = tuned["skip_layers"] if tuned else builtin_skip(decoder.n_layers)
+        return cls(decoder, check_skip(list(skip_layers), decoder.n_layers))
+
+    def __init__(self, decoder: Decoder, skip_layers: list[int]) -> None:
+        self.decoder = decoder
+        self.skip_layers = skip_layers
+        self.layer_ids = [i for i in range(decoder.n_layers) if i not in set(skip_layers)]
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = new_cache(self.decoder.model)
+        self.cached: list[int] = []  # tokens whose KV the draft cache holds
+
+    @property
+    def extra_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+    def propose(self, state, k, params, generator) -> Proposal:
+        # re-sync to the accepted tokens: keep the common prefix, feed the rest (incl. a fully accepted K-th draft)
+        keep = min(common_prefix(self.cached, state.tokens), len(state.tokens) - 1)
+        crop_to(self.cache, keep)
+        self.cached = self.cached[:keep]
+        feed = state.tokens[keep:]
+        ids, qs = [], []
+        for _ in range(k):
+            logits = self.decoder.forward(feed, self.layer_ids, self.cache, past=len(self.cached))[-1]  # [V]
+            self.cached.extend(feed)
+            q = logits_to_probs(logits, params)  # [V] float32: exactly what the token is drawn from
+            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
+            ids.append(token)
+            qs.append(q)
+            feed = [token]
+        return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls=k)  # [K], [K, V]
