@@ -1,0 +1,171 @@
+"""Turn a finished bench into DIR/report.md (also printed), DIR/results.json and DIR/speedup.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specchat.bench.runner import PEER_OF
+
+PLOT_HINT = "speedup.png skipped: matplotlib is not installed (pip install 'specchat[plot]' or pip install matplotlib)"
+
+
+def fmt(v, digits: int = 3, scale: float = 1.0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v * scale:.{digits}g}"
+    return str(v)
+
+
+def fmt_spread(s: dict, scale: float = 1.0) -> str:
+    if not s or s["median"] is None:
+        return "-"
+    if s["n"] == 1:
+        return fmt(s["median"], scale=scale)
+    return f"{fmt(s['median'], scale=scale)} ({fmt(s['min'], scale=scale)}–{fmt(s['max'], scale=scale)})"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def quality_cell(row: dict, checks: dict) -> str:
+    """Greedy identity for exact greedy configs, the distribution test for sampled ones, quality for approximate."""
+    label = row["config"]
+    if not row["exact"]:
+        q = next((x for x in checks["approximate"] if x["config"] == label), None)
+        if not q:
+            return "approximate"
+        return f"approx: agree {fmt(q['greedy_agreement'])}, logp {fmt(q['mean_logprob'])} (off {fmt(q['plain_mean_logprob'])})"
+    if row["mode"] == "off":
+        return "baseline"
+    if row["temperature"] == 0:
+        bad = [f for f in checks["greedy_identity"] if f["config"] == label]
+        return "identical to off" if not bad else "**MISMATCH** on " + ", ".join(sorted({f["prompt"] for f in bad}))
+    v = next((x for x in checks["distribution"] if x["mode"] == row["mode"] and x["temperature"] == row["temperature"]), None)
+    return f"verify {v['verdict']} (p={fmt(v['p_value'], 2)})" if v else "-"
+
+
+def markdown(results: dict) -> str:
+    s, m, checks = results["settings"], results["machine"], results["checks"]
+    hardware = m["gpu"] or f"{m['cpu']}, {m['cores']} cores" + (f", {m['memory_gb']} GB" if m.get("memory_gb") else "")
+    out = [
+        "# specchat bench",
+        "",
+        f"- models: target `{s['target']}`" + (f", draft `{s['draft']}`" if s["draft"] else ", no draft model"),
+        f"- hardware: {hardware}; device {m['device']}, dtype {m['dtype']}, {m['torch_threads']} torch threads; "
+        f"torch {m['torch']}, transformers {m['transformers']}",
+        f"- workload: {len(results['prompts'])} prompts ({', '.join(p['name'] for p in results['prompts'])}), "
+        f"max {s['max_new_tokens']} new tokens, {s['repeat']} repeat(s), interleaved after a warm-up; "
+        f"temperature {', '.join(f'{t:g}' for t in s['temperatures'])} (0 = greedy), top-k off, top-p 1, seed {s['seed']}",
+        "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
+        "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
+        "predicted: E[tokens/round] / (K·c + v) with c, v measured relative to one plain target step.",
+        "",
+    ]
+    rows = [r for r in results["configs"] if not r["peer"]]
+    out.append(table(
+        ["config", "tok/s", "speedup", "predicted", "meas/pred", "target calls/tok", "acceptance", "mean acc. len",
+         "TTFT ms", "draft ms/round", "verify ms/round", "other ms/round", "c", "v", "memory MB", "quality"],
+        [[r["config"], fmt_spread(r["tokens_per_s"]), fmt(r["speedup"]), fmt(r["predicted_speedup"]),
+          fmt(r["measured_over_predicted"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
+          fmt(r["mean_accepted_length"]), fmt_spread(r["time_to_first_token_s"], 1000), fmt(r["draft_ms_per_round"]),
+          fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
+          fmt(r["memory_mb"], 4), quality_cell(r, checks)] for r in rows],
+    ))
+    if results["peers"]:
+        out += ["", "## Hugging Face peers (same models, prompts, K and sampling; end-to-end tok/s including the prefill)", ""]
+        out.append(table(
+            ["specchat", "HF peer", "specchat tok/s", "HF tok/s", "specchat / HF", "specchat speedup vs off",
+             "HF speedup vs generate()", "HF target calls/tok", "HF TTFT ms"],
+            [[p["specchat"] or "-", p["peer"], fmt_spread(p["specchat_e2e_tokens_per_s"]), fmt_spread(p["peer_e2e_tokens_per_s"]),
+              fmt(p["ratio"]), fmt(p["specchat_e2e_speedup"]), fmt(p["peer_speedup"]), fmt(p["peer_target_calls_per_token"]),
+              fmt_spread(p["peer_time_to_first_token_s"], 1000)] for p in results["peers"]],
+        ))
+    out += ["", "## Checks", ""]
+    failures = checks["greedy_identity"]
+    out.append("- greedy identity (every exact mode at T=0 vs plain greedy, token for token): "
+               + ("PASS" if not failures else "**FAIL**: " + "; ".join(
+                   f"{f['config']} on prompt {f['prompt']!r} (repeat {f['repeat']}) differs from token {f['first_difference']}"
+                   for f in failures)))
+    for v in checks["distribution"]:
+        out.append(f"- distribution test {v['config']} on {v['prompt']!r}: {v['verdict'].upper()} "
+                   f"(chi-square p={fmt(v['p_value'])}, TV {fmt(v['total_variation'])}, {v['samples']}+{v['samples']} samples "
+                   f"of {v['tokens']} tokens)")
+    if checks.get("hf_greedy"):
+        h = checks["hf_greedy"]
+        out.append(f"- plain greedy vs HF generate() greedy: {h['identical']}/{h['compared']} identical"
+                   + (f" (differ on {', '.join(h['differ_on'])})" if h["differ_on"] else ""))
+    for mode, why in results.get("skipped_modes", {}).items():
+        out.append(f"- mode {mode} not measured: {why}")
+    return "\n".join(out) + "\n"
+
+
+def peer_pairs(rows: list[dict]) -> list[dict]:
+    """Each HF peer beside the specchat configuration that does the same thing (if it was measured)."""
+    inverse = {v: k for k, v in PEER_OF.items()}
+    pairs = []
+    for r in rows:
+        if not r["peer"]:
+            continue
+        mode = inverse[r["mode"]]
+        ours = next((x for x in rows if not x["peer"] and x["mode"] == mode and x["k"] == r["k"]
+                     and x["temperature"] == r["temperature"] and x["accept"] == "exact"), None)
+        ratio = None
+        if ours and ours["e2e_tokens_per_s"]["median"] and r["e2e_tokens_per_s"]["median"]:
+            ratio = ours["e2e_tokens_per_s"]["median"] / r["e2e_tokens_per_s"]["median"]
+        pairs.append({
+            "specchat": ours["config"] if ours else None, "peer": r["config"], "ratio": ratio,
+            "specchat_e2e_tokens_per_s": ours["e2e_tokens_per_s"] if ours else None,
+            "peer_e2e_tokens_per_s": r["e2e_tokens_per_s"],
+            "specchat_e2e_speedup": ours["e2e_speedup"] if ours else None,
+            "peer_speedup": r["hf_speedup"],
+            "peer_target_calls_per_token": r["target_calls_per_token"],
+            "peer_time_to_first_token_s": r["time_to_first_token_s"],
+        })
+    return pairs
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Speedup per mode against K, one panel per temperature; HF peers dashed. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    temps = results["settings"]["temperatures"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        rows = [r for r in results["configs"] if r["temperature"] == t and r["k"] > 0]
+        for name in dict.fromkeys((r["mode"], r["accept"]) for r in rows):
+            pts = sorted((r["k"], r["hf_speedup"] if r["peer"] else r["speedup"]) for r in rows if (r["mode"], r["accept"]) == name)
+            pts = [(k, s) for k, s in pts if s is not None]
+            if pts:
+                label = name[0] + ("" if name[1] == "exact" else f" ({name[1]})") + (" (vs HF generate)" if name[0].startswith("hf-") else "")
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if name[0].startswith("hf-") else "-", label=label)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xlabel("draft length K")
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"T={t:g}")
+        ax.legend(fontsize=8)
+    s = results["settings"]
+    fig.suptitle(f"{s['target']} ({results['machine']['device']}, {results['machine']['dtype']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(results: dict, out_dir: Path) -> tuple[str, str | None]:
+    """Write the three outputs; returns the Markdown and a note when the plot was skipped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(results)
+    (out_dir / "report.md").write_text(text)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    note = None if plot(results, out_dir / "speedup.png") else PLOT_HINT
+    return text, note

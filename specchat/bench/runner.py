@@ -1,0 +1,382 @@
+"""Run every configuration on the same prompts in one process, interleaved, and keep every raw measurement.
+
+Interleaving (for each repeat and prompt, one generation of every configuration in turn) spreads the
+noise of a shared machine over all configurations instead of letting it fall on whichever ran last.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.acceptance import parse_rule
+from specchat.decoding.loop import clock
+from specchat.decoding.stats import Stats, predicted_speedup
+
+WARMUP_TOKENS = 8
+
+# specchat mode -> the Hugging Face implementation of the same idea (see peers.py)
+PEER_OF = {"off": "hf-generate", "draft": "hf-assisted", "lookup": "hf-lookup", "earlyexit": "hf-earlyexit"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: a specchat mode or an HF peer, K, temperature and acceptance rule."""
+
+    mode: str  # specchat mode, or a peer name from PEER_OF's values
+    k: int  # draft length; 0 for plain decoding
+    temperature: float
+    accept: str = "exact"
+
+    @property
+    def is_peer(self) -> bool:
+        return self.mode.startswith("hf-")
+
+    @property
+    def exact(self) -> bool:
+        return self.is_peer or parse_rule(self.accept).exact
+
+    @property
+    def label(self) -> str:
+        parts = [self.mode]
+        if self.k:
+            parts.append(f"K={self.k}")
+        parts.append(f"T={self.temperature:g}")
+        if self.accept != "exact":
+            parts.append(self.accept)
+        return " ".join(parts)
+
+
+@dataclass
+class Prompt:
+    name: str
+    kind: str
+    text: str
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Context:
+    """What every measured generation needs: models, drafters, stop tokens, limits."""
+
+    target: object  # LoadedModel
+    draft: object | None  # LoadedModel
+    device: torch.device
+    drafters: dict  # mode -> Drafter
+    eos_ids: set[int]
+    max_new_tokens: int
+    seed: int = 0
+    exit_layer: int | None = None  # for the hf-earlyexit peer
+    stats: dict = field(default_factory=dict)  # config label -> Stats over all its measured generations
+
+
+def build_configs(modes, ks, temperatures, accepts, *, peers: bool, has_draft: bool) -> list[Config]:
+    """Plain decoding once per temperature, every other mode for every K and rule; peers when asked."""
+    configs = []
+    for t in temperatures:
+        configs.append(Config("off", 0, t))
+        if peers:
+            configs.append(Config("hf-generate", 0, t))
+        for mode in modes:
+            if mode == "off":
+                continue
+            for k in ks:
+                configs += [Config(mode, k, t, a) for a in accepts]
+        if peers:
+            for k in ks:
+                if has_draft:
+                    configs.append(Config("hf-assisted", k, t))
+                configs += [Config("hf-lookup", k, t), Config("hf-earlyexit", k, t)]
+    return configs
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory since the last reset on CUDA; the process's resident memory otherwise.
+
+    torch's CPU allocations bypass tracemalloc, so the resident set size (psutil) is what counts.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:  # ru_maxrss: the process-lifetime high-water mark, in KiB on Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_seed(ctx: Context, prompt_index: int, repeat: int) -> int:
+    """The same seed for every configuration on one prompt and repeat, so sampled runs are paired."""
+    return ctx.seed + 1000 * repeat + prompt_index
+
+
+def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int) -> tuple[dict, list]:
+    """One generation through the engine, from a cold cache (no prefix reuse between runs)."""
+    drafter = ctx.drafters[cfg.mode]
+    drafter.reset()
+    state = TargetState(ctx.target.model)
+    controls = Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept))
+    generator = torch.Generator(device=state.device).manual_seed(seed)
+    reset_peak(ctx.device)
+    t0 = clock(ctx.device)
+    records = list(generate(state, ids, controls, max_new_tokens=max_new_tokens, eos_ids=ctx.eos_ids, generator=generator))
+    elapsed = clock(ctx.device) - t0
+    stats = Stats()
+    for r in records:
+        stats.add(r)
+    tokens = [t.id for r in records for t in r.tokens]
+    run = {
+        "tokens": tokens,
+        "new_tokens": len(tokens),
+        "e2e_s": elapsed,
+        "e2e_tokens_per_s": len(tokens) / elapsed if elapsed else None,
+        "tokens_per_s": stats.tokens_per_s,  # decode only (DESIGN.md section 4), prefill excluded
+        "time_to_first_token_s": stats.time_to_first_token_s,
+        "stop_reason": records[-1].stop_reason if records else None,
+        "memory_mb": memory_mb(ctx.device),
+        "stats": stats.summary(),
+    }
+    return run, records
+
+
+def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int) -> dict:
+    if cfg.is_peer:
+        from specchat.bench.peers import run_peer
+
+        return run_peer(ctx, cfg, ids, seed, max_new_tokens)
+    run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens)
+    if max_new_tokens == ctx.max_new_tokens:  # not a warm-up
+        stats = ctx.stats.setdefault(cfg.label, Stats())
+        for r in records:
+            stats.add(r)
+    return run
+
+
+def run_all(ctx: Context, configs: list[Config], prompts: list[Prompt], repeat: int, progress=None) -> list[dict]:
+    """Warm up every configuration once, then for each repeat and prompt run all configurations in turn."""
+    step = progress or (lambda _msg: None)
+    for cfg in configs:
+        step(f"warm-up {cfg.label}")
+        run_one(ctx, cfg, prompts[0].ids, ctx.seed, min(WARMUP_TOKENS, ctx.max_new_tokens))
+    runs = []
+    for r in range(repeat):
+        for i, prompt in enumerate(prompts):
+            for cfg in configs:
+                step(f"{cfg.label} on {prompt.name} ({r + 1}/{repeat})")
+                run = run_one(ctx, cfg, prompt.ids, run_seed(ctx, i, r), ctx.max_new_tokens)
+                runs.append({"config": cfg.label, "mode": cfg.mode, "k": cfg.k, "temperature": cfg.temperature,
+                             "accept": cfg.accept, "prompt": prompt.name, "repeat": r, **run})
+    return runs
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def paired_ratio(runs: list[dict], label: str, base: str, key: str) -> float | None:
+    """Median over (prompt, repeat) of run[key] / base run[key]: prompt-to-prompt variation cancels."""
+    by_key = {(r["prompt"], r["repeat"]): r[key] for r in runs if r["config"] == base}
+    ratios = [r[key] / by_key[(r["prompt"], r["repeat"])] for r in runs
+              if r["config"] == label and r[key] and by_key.get((r["prompt"], r["repeat"]))]
+    return statistics.median(ratios) if ratios else None
+
+
+def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dict]:
+    """Per configuration: tokens/s median and spread, speedups, engine statistics, predicted speedup."""
+    rows = []
+    for cfg in configs:
+        mine = [r for r in runs if r["config"] == cfg.label]
+        plain = Config("off", 0, cfg.temperature).label
+        row = {
+            "config": cfg.label, "mode": cfg.mode, "k": cfg.k, "temperature": cfg.temperature, "accept": cfg.accept,
+            "exact": cfg.exact, "peer": cfg.is_peer, "generations": len(mine),
+            "new_tokens": sum(r["new_tokens"] for r in mine),
+            "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
+            "e2e_tokens_per_s": spread([r["e2e_tokens_per_s"] for r in mine]),
+            "time_to_first_token_s": spread([r["time_to_first_token_s"] for r in mine]),
+            "memory_mb": max((r["memory_mb"] for r in mine), default=None),
+            "speedup": None, "e2e_speedup": paired_ratio(runs, cfg.label, plain, "e2e_tokens_per_s"),
+        }
+        if cfg.is_peer:
+            hf_plain = Config("hf-generate", 0, cfg.temperature).label
+            row["hf_speedup"] = paired_ratio(runs, cfg.label, hf_plain, "e2e_tokens_per_s")
+            calls = sum(r["target_calls"] for r in mine)
+            row["target_calls_per_token"] = calls / row["new_tokens"] if row["new_tokens"] else None
+        else:
+            row["speedup"] = paired_ratio(runs, cfg.label, plain, "tokens_per_s")
+            stats = ctx.stats.get(cfg.label, Stats()).summary()
+            row.update({key: stats[key] for key in (
+                "acceptance_rate", "mean_accepted_length", "target_calls_per_token", "draft_calls_per_token",
+                "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "rounds")})
+            row["overhead_ms_per_round"] = _overhead_ms(ctx.stats.get(cfg.label))
+            row.update(predict(cfg, ctx.stats.get(cfg.label), ctx.stats.get(plain), row["speedup"]))
+        rows.append(row)
+    return rows
+
+
+def _overhead_ms(stats: Stats | None) -> float | None:
+    """Round wall time spent outside the draft and verify timers (building token events, bookkeeping)."""
+    if not stats or not stats.rounds:
+        return None
+    return 1000 * (stats.wall_s - stats.draft_s - stats.verify_s) / stats.rounds
+
+
+def predict(cfg: Config, stats: Stats | None, plain: Stats | None, measured: float | None) -> dict:
+    """DESIGN.md section 4: speedup = E[tokens/round] / (K*c + v), with c and v measured in this run
+    relative to one plain target step (mode off's verify time per round, same temperature)."""
+    out = {"plain_step_ms": None, "draft_cost": None, "verify_cost": None, "predicted_speedup": None,
+           "measured_over_predicted": None}
+    if cfg.mode == "off" or not stats or not plain or not plain.rounds or not stats.rounds:
+        return out
+    step_ms = plain.verify_ms_per_round
+    c = stats.draft_ms_per_round / (cfg.k * step_ms)  # per drafted position
+    v = stats.verify_ms_per_round / step_ms
+    a = stats.acceptance_rate or 0.0
+    pred = predicted_speedup(a, cfg.k, c, v)
+    out.update(plain_step_ms=step_ms, draft_cost=c, verify_cost=v, predicted_speedup=pred,
+               measured_over_predicted=measured / pred if measured and pred else None)
+    return out
+
+
+# ---------------------------------------------------------------- quality checks
+
+
+def greedy_identity(configs: list[Config], runs: list[dict]) -> list[dict]:
+    """Every exact specchat mode at temperature 0 must reproduce plain greedy output token for token."""
+    plain = {(r["prompt"], r["repeat"]): r["tokens"] for r in runs if r["config"] == Config("off", 0, 0.0).label}
+    failures = []
+    for cfg in configs:
+        if cfg.is_peer or cfg.mode == "off" or cfg.temperature != 0 or not cfg.exact:
+            continue
+        for r in runs:
+            if r["config"] != cfg.label:
+                continue
+            ref = plain.get((r["prompt"], r["repeat"]))
+            if ref is not None and r["tokens"] != ref:
+                at = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref)) if a != b), min(len(ref), len(r["tokens"])))
+                failures.append({"config": cfg.label, "prompt": r["prompt"], "repeat": r["repeat"], "first_difference": at})
+    return failures
+
+
+def hf_greedy_match(runs: list[dict]) -> dict | None:
+    """Does plain specchat greedy equal HF generate greedy? (informational: batching can flip near-ties in bf16)"""
+    hf = {(r["prompt"], r["repeat"]): r["tokens"] for r in runs if r["config"] == Config("hf-generate", 0, 0.0).label}
+    if not hf:
+        return None
+    ours = [r for r in runs if r["config"] == Config("off", 0, 0.0).label and (r["prompt"], r["repeat"]) in hf]
+    differ = sorted({r["prompt"] for r in ours if r["tokens"] != hf[(r["prompt"], r["repeat"])]})
+    return {"compared": len(ours), "identical": len(ours) - sum(r["tokens"] != hf[(r["prompt"], r["repeat"])] for r in ours),
+            "differ_on": differ}
+
+
+@torch.inference_mode()
+def mean_logprob(model, prompt_ids: list[int], output_ids: list[int]) -> float | None:
+    """Mean log-probability of `output_ids` under the target (temperature 1) after the prompt."""
+    if not output_ids:
+        return None
+    ids = torch.tensor([prompt_ids + output_ids], device=model.device)
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [N, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    return float(logp[torch.arange(len(output_ids)), torch.tensor(output_ids, device=model.device)].mean())
+
+
+def approximate_quality(ctx: Context, configs: list[Config], runs: list[dict], prompts: list[Prompt]) -> list[dict]:
+    """Approximate rules: agreement with the target's greedy output, and mean target log-prob (vs plain)."""
+    ids_of = {p.name: p.ids for p in prompts}
+    approx = [c for c in configs if not c.exact]
+    out = []
+    for cfg in approx:
+        plain = Config("off", 0, cfg.temperature).label
+        greedy = {r["prompt"]: r["tokens"] for r in runs if r["config"] == Config("off", 0, 0.0).label and r["repeat"] == 0}
+        agree, lp, lp_plain = [], [], []
+        for r in runs:
+            if r["config"] != cfg.label or r["repeat"] != 0:
+                continue
+            ref = greedy.get(r["prompt"])
+            if cfg.temperature == 0 and ref:
+                n = min(len(ref), len(r["tokens"]))
+                agree.append(sum(a == b for a, b in zip(r["tokens"][:n], ref[:n])) / max(n, 1))
+            lp.append(mean_logprob(ctx.target.model, ids_of[r["prompt"]], r["tokens"]))
+            base = next(x for x in runs if x["config"] == plain and x["prompt"] == r["prompt"] and x["repeat"] == 0)
+            lp_plain.append(mean_logprob(ctx.target.model, ids_of[r["prompt"]], base["tokens"]))
+        mean = lambda xs: statistics.fmean(x for x in xs if x is not None) if any(x is not None for x in xs) else None  # noqa: E731
+        out.append({"config": cfg.label, "greedy_agreement": mean(agree) if agree else None,
+                    "mean_logprob": mean(lp), "plain_mean_logprob": mean(lp_plain)})
+    return out
+
+
+def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, samples: int, progress=None) -> list[dict]:
+    """`specchat verify`'s two-sample test for each exact mode and temperature > 0 (first K listed)."""
+    from types import SimpleNamespace
+
+    from specchat.verify import run_verify
+
+    done, out = set(), []
+    for cfg in configs:
+        if cfg.is_peer or cfg.mode == "off" or cfg.temperature == 0 or not cfg.exact or (cfg.mode, cfg.temperature) in done:
+            continue
+        done.add((cfg.mode, cfg.temperature))
+        if progress:
+            progress(f"verify {cfg.label}: {samples} + {samples} samples")
+        drafter = ctx.drafters[cfg.mode]
+        drafter.reset()
+        session = SimpleNamespace(
+            state=TargetState(ctx.target.model),
+            controls=Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept)),
+            eos_ids=ctx.eos_ids,
+            generator=torch.Generator(device=ctx.device).manual_seed(ctx.seed),
+        )
+        result = run_verify(session, prompt.ids, samples=samples, length=2, alpha=0.01)
+        out.append({"config": cfg.label, "mode": cfg.mode, "temperature": cfg.temperature, "prompt": prompt.name, **result})
+    return out
+
+
+def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """What the numbers were measured on (the seed asks every result to carry its hardware)."""
+    import platform
+
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    try:
+        import psutil
+
+        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+        info["load_average"] = os.getloadavg()
+    except (ImportError, OSError):
+        pass
+    return info
