@@ -1,0 +1,195 @@
+"""`specchat bench`: end to end on a tiny model, the predicted-speedup formula, and bad input."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import specchat.cli  # noqa: F401  (registers `bench` on the main group)
+from specchat.bench import runner
+from specchat.cli import main
+from specchat.decoding.events import RoundRecord
+from specchat.decoding.stats import Stats, expected_tokens_per_round, predicted_speedup
+from tiny_model import tiny_model_dir
+
+CONFIG_FIELDS = {
+    "config", "mode", "k", "temperature", "accept", "exact", "peer", "generations", "new_tokens", "tokens_per_s",
+    "e2e_tokens_per_s", "time_to_first_token_s", "memory_mb", "speedup", "e2e_speedup", "drafter_memory_mb",
+}
+ENGINE_FIELDS = {
+    "acceptance_rate", "mean_accepted_length", "target_calls_per_token", "draft_calls_per_token",
+    "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "overhead_ms_per_round",
+    "plain_step_ms", "draft_cost", "verify_cost", "predicted_speedup", "measured_over_predicted",
+}
+RUN_FIELDS = {"config", "mode", "k", "temperature", "prompt", "repeat", "tokens", "new_tokens", "e2e_s",
+              "e2e_tokens_per_s", "tokens_per_s", "time_to_first_token_s", "memory_mb", "text"}
+MACHINE_FIELDS = {"cpu", "cores", "memory_gb", "gpu", "torch", "transformers", "device", "dtype", "torch_threads"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        json.dumps({"name": "hello", "kind": "chat", "prompt": "hello world"}) + "\n"
+        + json.dumps({"name": "code", "prompt": "write python code to sort a list"}) + "\n"
+    )
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["bench", *map(str, args)])
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    result = invoke(
+        "--target", model_dir, "--draft", model_dir, "--device", "cpu", "--dtype", "float32",
+        "--modes", "off,draft", "--draft-len", "2", "--temperature", "0,0.7", "--prompts", prompts_file,
+        "--max-new-tokens", "6", "--repeat", "1", "--peers", "--verify-samples", "20", "--out", out,
+    )
+    assert result.exit_code == 0, result.output
+    assert "| config |" in result.output and "## Hugging Face peers" in result.output
+    assert (out / "report.md").read_text().startswith("# specchat bench")
+    data = json.loads((out / "results.json").read_text())
+
+    assert MACHINE_FIELDS <= data["machine"].keys()
+    assert data["settings"]["draft_lens"] == [2] and data["settings"]["temperatures"] == [0.0, 0.7]
+    labels = {c["config"] for c in data["configs"]}
+    assert labels == {"off T=0", "draft K=2 T=0", "off T=0.7", "draft K=2 T=0.7", "hf-generate T=0", "hf-assisted K=2 T=0",
+                      "hf-lookup K=2 T=0", "hf-earlyexit K=2 T=0", "hf-generate T=0.7", "hf-assisted K=2 T=0.7",
+                      "hf-lookup K=2 T=0.7", "hf-earlyexit K=2 T=0.7"}
+    for row in data["configs"]:
+        assert CONFIG_FIELDS <= row.keys(), row["config"]
+        if not row["peer"]:
+            assert ENGINE_FIELDS <= row.keys(), row["config"]
+        assert row["tokens_per_s" if not row["peer"] else "e2e_tokens_per_s"]["median"] > 0
+    draft = next(c for c in data["configs"] if c["config"] == "draft K=2 T=0")
+    assert draft["predicted_speedup"] > 0 and draft["acceptance_rate"] is not None
+    assert next(c for c in data["configs"] if c["config"] == "off T=0")["speedup"] == 1.0
+
+    assert len(data["runs"]) == 12 * 2  # every configuration on every prompt, once
+    for run in data["runs"]:
+        assert RUN_FIELDS <= run.keys()
+    pairs = {p["peer"]: p for p in data["peers"]}
+    assert pairs["hf-generate T=0"]["specchat"] == "off T=0" and pairs["hf-generate T=0"]["ratio"] > 0
+    assert pairs["hf-assisted K=2 T=0"]["specchat"] == "draft K=2 T=0"
+    assert pairs["hf-lookup K=2 T=0"]["specchat"] is None  # lookup was not requested
+
+    checks = data["checks"]
+    assert checks["greedy_identity"] == []  # the draft is the target itself: exact, so identical
+    assert [v["config"] for v in checks["distribution"]] == ["draft K=2 T=0.7"]
+    assert checks["distribution"][0]["verdict"] == "pass"
+    assert checks["hf_greedy"]["compared"] == 2
+    assert (out / "speedup.png").exists() or "pip install" in result.output
+
+
+# ---------------------------------------------------------------- predicted speedup
+
+
+def test_expected_tokens_per_round_by_hand():
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert expected_tokens_per_round(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)  # 3.3616
+    assert expected_tokens_per_round(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens_per_round(0.0, 4) == 1.0  # every round still emits the replacement
+    assert expected_tokens_per_round(1.0, 4) == 5.0  # all accepted plus the bonus
+
+
+def test_predicted_speedup_by_hand():
+    assert predicted_speedup(0.8, 4, 0.1, 1.3) == pytest.approx(3.3616 / 1.7)  # 1.97741...
+    assert predicted_speedup(0.5, 2, 0.25, 1.0) == pytest.approx(1.75 / 1.5)
+    assert predicted_speedup(0.0, 4, 0.1, 1.2) == pytest.approx(0.625)  # nothing accepted: a slowdown
+    assert predicted_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # free, perfect drafts
+
+
+def _stats(rounds, drafted, accepted, draft_s, verify_s):
+    stats = Stats()
+    for i in range(rounds):
+        rec = RoundRecord(index=i, mode="m", draft_len=drafted, drafted=drafted, accepted=accepted,
+                          draft_calls=drafted, draft_s=draft_s, verify_s=verify_s)
+        stats.add(rec)
+    return stats
+
+
+def test_bench_predict_uses_measured_costs():
+    """c = draft ms per drafted position / plain step ms; v = verify ms / plain step ms."""
+    plain = _stats(10, 0, 0, 0.0, 0.020)  # plain step 20 ms
+    spec = _stats(10, 4, 2, 0.008, 0.026)  # K=4, a=0.5, 8 ms drafting, 26 ms verifying per round
+    out = runner.predict(runner.Config("draft", 4, 0.0), spec, plain, measured=1.0)
+    assert out["plain_step_ms"] == pytest.approx(20.0)
+    assert out["draft_cost"] == pytest.approx(0.1)  # 8 / (4 * 20)
+    assert out["verify_cost"] == pytest.approx(1.3)
+    expected = (1 - 0.5**5) / 0.5 / (4 * 0.1 + 1.3)
+    assert out["predicted_speedup"] == pytest.approx(expected)
+    assert out["measured_over_predicted"] == pytest.approx(1.0 / expected)
+
+
+def test_paired_ratio_and_greedy_identity_failure():
+    def run(config, prompt, tps, tokens):
+        return {"config": config, "prompt": prompt, "repeat": 0, "tokens_per_s": tps, "tokens": tokens}
+
+    runs = [run("off T=0", "a", 10.0, [1, 2, 3]), run("off T=0", "b", 20.0, [4, 5]),
+            run("draft K=2 T=0", "a", 15.0, [1, 2, 3]), run("draft K=2 T=0", "b", 50.0, [4, 6])]
+    assert runner.paired_ratio(runs, "draft K=2 T=0", "off T=0", "tokens_per_s") == pytest.approx((1.5 + 2.5) / 2)
+    failures = runner.greedy_identity([runner.Config("off", 0, 0.0), runner.Config("draft", 2, 0.0)], runs)
+    assert failures == [{"config": "draft K=2 T=0", "prompt": "b", "repeat": 0, "first_difference": 1}]
+
+
+# ---------------------------------------------------------------- bad input, before any model loads
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr("specchat.models.load_model", refuse)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes", "off,turbo"], "unknown mode 'turbo'"),
+        (["--modes", "draft"], "needs a draft model"),
+        (["--prompts", "/nonexistent/prompts.jsonl"], "cannot read prompts file"),
+        (["--draft-len", "2,zero"], "--draft-len"),
+        (["--draft-len", "0"], "--draft-len"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--accept", "sloppy"], "unknown acceptance rule"),
+        (["--verify-samples", "5"], "--verify-samples"),
+    ],
+)
+def test_bad_input_fails_before_loading(no_loading, args, message):
+    result = invoke(*args)
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_bad_prompts_file(no_loading, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    result = invoke("--prompts", bad)
+    assert result.exit_code != 0 and "line 2: not JSON" in result.output
+    bad.write_text('{"text": "no prompt field"}\n')
+    assert 'non-empty "prompt"' in invoke("--prompts", bad).output
+
+
+def test_unbuilt_mode_fails_before_loading(no_loading, monkeypatch):
+    monkeypatch.setattr("specchat.bench.command.mode_built", lambda mode: mode in ("off", "draft"))
+    result = invoke("--modes", "off,lowrank")
+    assert result.exit_code != 0 and "mode 'lowrank' is not available yet" in result.output
+
+
+def test_builtin_prompts_cover_the_workload():
+    from specchat.bench.command import read_prompts
+
+    kinds = {p["kind"] for p in read_prompts("builtin")}
+    assert {"chat", "code", "summarise", "repetition"} <= kinds
