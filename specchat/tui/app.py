@@ -176,11 +176,11 @@ class SpecChatApp(App):
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Conversation(id="conversation")
+                yield Inspector(id="inspector")
                 yield Legend(id="legend")
                 yield Input(placeholder="Message  (Enter sends · F2–F8 modes · Tab, then ←/→ inspects tokens)", id="prompt")
             with Vertical(id="side"):
                 yield StatsPanel(id="stats-panel")
-                yield Inspector(id="inspector")
         yield Footer()
 
     def on_mount(self) -> None:

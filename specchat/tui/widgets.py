@@ -151,7 +151,7 @@ class Conversation(VerticalScroll, can_focus=True):
 
     DEFAULT_CSS = """
     Conversation { height: 1fr; padding: 0 1; }
-    Conversation:focus { border-left: tall $accent; }
+    Conversation:focus { border-left: thick $accent; }
     """
     BINDINGS = [
         Binding("left", "step(-1)", "prev token", show=False, id="inspect.prev"),
@@ -160,10 +160,13 @@ class Conversation(VerticalScroll, can_focus=True):
         Binding("down", "reply(1)", "next reply", show=False, id="inspect.next_reply"),
         Binding("home", "edge(0)", "first token", show=False, id="inspect.first"),
         Binding("end", "edge(-1)", "last token", show=False, id="inspect.last"),
+        Binding("escape", "clear_selection", "close inspector", id="inspect.close"),
     ]
 
     class TokenSelected(Message):
-        def __init__(self, reply: ReplyView, token: TokenEvent) -> None:
+        """A token was selected (reply and token are None when the selection is cleared)."""
+
+        def __init__(self, reply: ReplyView | None, token: TokenEvent | None) -> None:
             super().__init__()
             self.reply, self.token = reply, token
 
@@ -182,7 +185,20 @@ class Conversation(VerticalScroll, can_focus=True):
             self.selection[0].select(None)
         self.selection = (reply, token)
         reply.select(token)
+        self.refresh_bindings()
         self.post_message(self.TokenSelected(reply, reply.tokens[token]))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "clear_selection":  # otherwise Esc goes on to the app (stop the reply)
+            return self.selection is not None and not getattr(self.app, "generating", False)
+        return True
+
+    def action_clear_selection(self) -> None:
+        if self.selection is not None:
+            self.selection[0].select(None)
+            self.selection = None
+            self.post_message(self.TokenSelected(None, None))
+            self.refresh_bindings()
 
     def on_reply_view_selected(self, message: ReplyView.Selected) -> None:
         message.stop()
@@ -235,10 +251,11 @@ class Legend(Widget):
         parts: list = []
         for kind in KINDS:
             if kind == "rejected" and not self.show_rejected:
-                parts.append(" (F10: show rejected drafts)")
+                parts.append("F10: rejected drafts")
                 continue
             style = Style.from_rich_style(self.get_component_rich_style(f"token--{kind}", partial=True))
             parts += [("■ " if kind != "rejected" else "", style), (kind, style), "  "]
+        parts.append("· click a token to inspect")
         return Content.assemble(*parts)
 
 
@@ -304,7 +321,7 @@ def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
     return table
 
 
-def positions_text(stats: Stats | None, width: int = 16) -> Text:
+def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) -> Text:
     text = Text()
     rates = stats.per_position_acceptance if stats else []
     if not rates:
@@ -312,8 +329,8 @@ def positions_text(stats: Stats | None, width: int = 16) -> Text:
     for i, (rate, n) in enumerate(zip(rates, stats.proposed_at), start=1):
         full = round(rate * width)
         text.append(f"{i:>2} ")
-        text.append("█" * full, style="bold")
-        text.append("░" * (width - full), style="dim")
+        text.append("━" * full, style=colour)
+        text.append("─" * (width - full), style="dim")
         text.append(f" {100 * rate:3.0f}% ({n})\n")
     text.rstrip()
     return text
@@ -349,13 +366,12 @@ class StatsPanel(VerticalScroll, can_focus=False):
     StatsPanel { height: 1fr; padding: 0 1; overflow-x: hidden; }
     StatsPanel > .section { color: $primary; text-style: bold; margin-top: 1; }
     StatsPanel > #mode-line { margin-top: 0; }
-    StatsPanel > #spark { color: $token-accepted; }
+    StatsPanel > #spark { margin-top: 1; }
     """
 
     def compose(self):
         yield Static(id="mode-line")
         yield Static(id="stats")
-        yield Static("acceptance per round (recent)", classes="section")
         yield Static(id="spark")
         yield Static("acceptance by draft position", classes="section")
         yield Static(id="positions")
@@ -382,10 +398,10 @@ class StatsPanel(VerticalScroll, can_focus=False):
             line.append(f"\nswitching to {pending}…", style="italic")
         self.query_one("#mode-line", Static).update(line)
         self.query_one("#stats", Static).update(stats_table(reply, stats.get(mode, Stats()), mode))
-        self.query_one("#spark", Static).update(
-            Text(spark(recent)) if recent else Text("no drafted rounds yet", style="dim")
-        )
-        self.query_one("#positions", Static).update(positions_text(stats.get(mode)))
+        colour = self.app.theme_variables.get("token-accepted", "green")
+        recent_line = Text.assemble(("recent rounds ", "bold"), (spark(recent), colour) if recent else ("no drafts yet", "dim"))
+        self.query_one("#spark", Static).update(recent_line)
+        self.query_one("#positions", Static).update(positions_text(stats.get(mode), colour))
         value, why = estimate_speedup(stats, mode, controls.k)
         measured = measured_speedup(stats, mode)
         speed = Text()
@@ -411,13 +427,16 @@ class Inspector(Static):
     """Details of the selected token: how it was produced and what else the models considered."""
 
     DEFAULT_CSS = """
-    Inspector { height: auto; max-height: 50%; padding: 0 1; border-top: solid $primary; }
+    Inspector { height: auto; max-height: 14; padding: 0 1; margin: 0 1; border: round $primary; display: none; }
+    Inspector.-shown { display: block; }
     """
 
     def show_token(self, token: TokenEvent | None, decode, k: int | None = None) -> None:
+        self.set_class(token is not None, "-shown")
         if token is None:
-            self.update(Text("Token inspector: click a token, or Tab to the chat and use ←/→", style="dim"))
+            self.update("")
             return
+        self.border_title = "token inspector"
         head = Text()
         head.append(visible(token.text) + "  ", style="bold")
         head.append(f"id {token.id}\n", style="dim")
@@ -425,7 +444,7 @@ class Inspector(Static):
         head.append(f" — {KIND_HELP[token.kind]}\n", style="dim")
         head.append(f"round {token.round}  position {token.position}\n")
         head.append(f"p(x) {token.p:.4f}   q(x) {fmt(token.q, '.4f')}   accept {fmt(token.accept_prob, '.3f')}")
-        table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
+        table = Table(box=None, padding=(0, 1), show_edge=False)
         table.add_column("top under p", no_wrap=True, overflow="ellipsis")
         table.add_column("", justify="right", no_wrap=True)
         table.add_column("top under q", no_wrap=True, overflow="ellipsis")
