@@ -1,0 +1,73 @@
+"""End to end with the real default model (SmolLM2-135M): a short reply, a mode switch, an export.
+
+The first run converts the default GGUF into the user cache (~20 s); later runs load in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from textual.widgets import Input
+
+from specchat.decoding import SamplingParams
+from specchat.tui.app import SpecChatApp
+from specchat.tui.widgets import ReplyView
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from specchat.models import load_model
+
+    return load_model(None, torch.device("cpu"), torch.float32)
+
+
+async def wait_for(pilot, condition, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the real model"
+        await pilot.pause(0.05)
+
+
+@pytest.mark.asyncio
+async def test_chat_with_the_default_model(default_model, tmp_path):
+    from specchat.session import Session
+
+    session = Session(default_model, mode="off", k=3, sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=12)
+    path = tmp_path / "e2e.json"
+    app = SpecChatApp(session, export_path=path, device_label="cpu", dtype_label="float32")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.query_one("#prompt", Input).value = "What is the capital of France?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.reply_stats.rounds >= 2)
+        # switch mid-reply to a mode the engine has; one it lacks must give a notice, not a crash
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: app.pending_mode is None)
+        await wait_for(pilot, lambda: not app.generating)
+        first = session.turns[0]
+        assert first.reply.strip() and app.query_one(ReplyView).text == first.reply
+        assert "Paris" in first.reply
+        lookup_ok = "lookup" not in app.unavailable
+        assert session.mode == ("lookup" if lookup_ok else "off")
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.pending_mode is None and session.mode == "off")
+        app.query_one("#prompt", Input).value = "And of Italy?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.generating and len(session.turns) == 2)
+        assert session.turns[1].reply.strip()
+        assert {r.mode for r in session.turns[1].rounds} == {"off"}
+        await pilot.press("f9")
+
+    data = json.loads(path.read_text())
+    assert data["config"]["target"] == "SmolLM2-135M-Instruct"
+    assert [t["user"] for t in data["turns"]] == ["What is the capital of France?", "And of Italy?"]
+    assert data["turns"][0]["reply"] == first.reply
+    assert data["summary"]["modes"]["off"]["new_tokens"] > 0
+    assert data["summary"]["total"]["new_tokens"] == sum(len(t.reply_ids) for t in session.turns)
+    # the second prompt holds the whole conversation (chat template over every turn)
+    assert data["turns"][1]["prompt_tokens"] > data["turns"][0]["prompt_tokens"]
