@@ -1,0 +1,86 @@
+"""`specchat tune`: the command around specchat.tuning (which holds the search and explains it)."""
+
+from __future__ import annotations
+
+import click
+
+from specchat.cli import generation_options, load_session, model_options, user_errors
+from specchat.tuning import LOWRANK_RANKS, TUNABLE, CALIBRATION, Candidate, measure_speed, tune_model
+
+# ---------------------------------------------------------------- command
+
+
+def _setting_text(setting: dict) -> str:
+    if "skip_layers" in setting:
+        return ",".join(map(str, setting["skip_layers"])) or "-"
+    return str(next(iter(setting.values())))
+
+
+@click.command()
+@click.option("--mode", "tune_mode", type=click.Choice(TUNABLE), required=True, help="Which self-speculative mode to tune.")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="layerskip: skip sets to score (default 80); lowrank: ranks to try.")
+@click.option("--tokens", type=click.IntRange(min=8), default=48, show_default=True, help="Greedy reply length per calibration prompt.")
+@click.option("--confirm/--no-confirm", default=True, show_default=True, help="Measure the chosen setting's real speed against plain decoding.")
+@click.option("--save/--no-save", default=True, show_default=True, help="Store the result as this model's default.")
+@model_options
+@generation_options
+def tune(tune_mode, budget, tokens, confirm, save, **opts):
+    """Find the best setting of a self-speculative mode for this model and save it as the default."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from specchat.decoding.tuned import save_tuned
+
+    console = Console(stderr=True)
+    opts["mode"] = "off"
+    session = load_session(opts)
+    seed = opts["seed"] if opts["seed"] is not None else 0
+    model = session.target.model
+    prompts = [session.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION]
+    n = model.config.num_hidden_layers
+    total = {"layerskip": budget or 80, "earlyexit": n - 1, "lowrank": min(budget or len(LOWRANK_RANKS), len(LOWRANK_RANKS))}[tune_mode]
+    best: list[Candidate] = []
+    with user_errors(), Progress(
+        TextColumn("[b]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[best]}"), console=console, transient=True,
+    ) as bar:
+        task = bar.add_task(f"tune {tune_mode}", total=total, best="")
+
+        def progress(msg, cand):
+            if cand is None:
+                bar.update(task, description=msg)
+                return
+            if not best or cand.predicted_speedup > best[0].predicted_speedup:
+                best[:] = [cand]
+            b = best[0]
+            bar.update(task, description=f"tune {tune_mode}", advance=1,
+                       best=f"best {_setting_text(b.setting)} K={b.k} a={b.acceptance:.2f} x{b.predicted_speedup:.2f}")
+
+        result = tune_model(model, prompts, tune_mode, seed=seed, budget=budget or 80, max_new_tokens=tokens, progress=progress)
+    c = result.costs
+    console.print(
+        f"costs vs one plain step: layer {c.layer:.3f}, head {c.head:.3f}, "
+        f"verify K=4 {c.verify.get(4, float('nan')):.2f}, K=8 {c.verify.get(8, float('nan')):.2f}   "
+        f"calibration: {len(prompts)} prompts, {result.calibration_tokens} greedy tokens, seed {seed}"
+    )
+    table = Table(title=f"{tune_mode}: best settings on {session.target.name} ({session.device_label}/{session.dtype_label})")
+    for col in ("setting", "K", "acceptance", "tokens/round", "draft cost", "verify cost", "predicted speedup"):
+        table.add_column(col, justify="right")
+    for cand in result.candidates[:10]:
+        table.add_row(_setting_text(cand.setting), str(cand.k), f"{cand.acceptance:.3f}", f"{cand.mean_accepted_length:.2f}",
+                      f"{cand.draft_cost:.3f}", f"{cand.verify_cost:.2f}", f"{cand.predicted_speedup:.3f}")
+    Console().print(table)
+    if confirm:
+        with user_errors(), console.status("measuring the chosen setting against plain decoding..."):
+            session.mode_options = {**session.mode_options, **result.best.setting}
+            session._drafters.pop(tune_mode, None)
+            result.extra = measure_speed(session, tune_mode, prompts[:2], result.best.k, tokens)
+        e = result.extra
+        Console().print(
+            f"measured: {e['tokens_per_s']:.1f} tok/s vs {e['tokens_per_s_off']:.1f} plain -> x{e['measured_speedup']:.2f} "
+            f"(acceptance {e['measured_acceptance']:.2f}, K={result.best.k})"
+        )
+    if save:
+        path = save_tuned(model, tune_mode, result.saved_entry())
+        Console().print(f"saved as the default for {session.target.name}: {path}")

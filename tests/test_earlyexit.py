@@ -1,0 +1,136 @@
+"""Mode `earlyexit` (shares the target's KV cache and runs the verify itself): greedy identity, cache
+consistency, the distribution test with its control, switching modes mid-generation, the default model."""
+
+import itertools
+
+import pytest
+import torch
+
+from selfspec_helpers import SMOL_PROMPTS, chat_ids, deep_target, one_thread, rough_target, smol  # noqa: F401
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.cache import forward_logits, new_cache
+from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from specchat.decoding.drafters.earlyexit import EarlyExitDrafter, builtin_exit
+from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.drafters.plain import PlainDecoding
+from specchat.decoding.tuned import save_tuned
+from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, goodness_of_fit, run, sample_joint
+
+
+@pytest.mark.parametrize("exit_layer", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_matches_hf_generate(deep_target, exit_layer, k):
+    prompt = [3, 1, 4, 1, 5]
+    ref = deep_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    drafter = build_drafter("earlyexit", deep_target, exit_layer=exit_layer)
+    out, records = run(deep_target, drafter, prompt, k=k, params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref[0, len(prompt) :].tolist()
+    assert sum(r.drafted for r in records) > 0
+
+
+def test_greedy_exercises_full_blocks_and_rejections(deep_target):
+    """The identity above covers every path: bonus tokens after full blocks, and rollbacks after rejections."""
+    for mode, opts in (("earlyexit", {"exit_layer": 2}), ("layerskip", {"skip_layers": [0, 2]})):
+        _, records = run(deep_target, build_drafter(mode, deep_target, **opts), [3, 1, 4, 1, 5], k=3, params=SamplingParams(0), max_new_tokens=40)
+        assert any(r.drafted and r.accepted == r.drafted for r in records), mode
+        assert any(r.accepted < r.drafted for r in records), mode
+
+
+def test_shared_cache_is_the_targets_own(deep_target):
+    """After every round all layers hold tokens[:-1], and the next logits equal a fresh full forward."""
+    state = TargetState(deep_target)
+    controls = Controls(build_drafter("earlyexit", deep_target, exit_layer=2), k=4, sampling=SamplingParams(1.0))
+    gen = torch.Generator().manual_seed(1)
+    for _ in generate(state, PROMPT, controls, max_new_tokens=40, eos_ids=set(), generator=gen):
+        assert {layer.get_seq_length() for layer in state.cache.layers} == {len(state.tokens) - 1}
+    fresh = forward_logits(deep_target, new_cache(deep_target), state.tokens, keep=1)[-1]
+    torch.testing.assert_close(state.verify([])[-1], fresh, rtol=1e-4, atol=1e-5)
+
+
+def test_verify_without_a_matching_proposal_falls_back(deep_target):
+    """K = 0 rounds and drafts proposed by someone else still get the full model's logits."""
+    state = TargetState(deep_target)
+    state.start(PROMPT)
+    drafter = EarlyExitDrafter.build(deep_target, exit_layer=2)
+    ref = forward_logits(deep_target, new_cache(deep_target), [*PROMPT, 7, 8], keep=3)
+    torch.testing.assert_close(drafter.verify(state, [7, 8]), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["topp0.8"])
+def test_sampled_output_matches_target_distribution(rough_target, case):
+    params = SAMPLING_CASES[case]
+    counts = sample_joint(rough_target, build_drafter("earlyexit", rough_target, exit_layer=2), params, k=3, draws=2000, length=2)
+    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
+    assert result.passed(ALPHA), result
+
+
+def test_distribution_test_catches_a_broken_rule(rough_target):
+    params = SAMPLING_CASES["t1"]
+    drafter = build_drafter("earlyexit", rough_target, exit_layer=1)
+    counts = sample_joint(rough_target, drafter, params, k=3, draws=1000, length=2, rule=ResampleFromP())
+    assert not goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
+
+
+def switching(target, drafters, params, max_new_tokens, seed=0):
+    """Generate while changing controls.drafter after every round, cycling through `drafters`."""
+    state = TargetState(target)
+    cycle = itertools.cycle(drafters)
+    controls = Controls(next(cycle), k=3, sampling=params)
+    out, modes = [], []
+    gen = torch.Generator().manual_seed(seed)
+    for record in generate(state, PROMPT, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=gen):
+        out += [t.id for t in record.tokens]
+        modes.append(record.mode)
+        controls.drafter = next(cycle)
+    return out, modes
+
+
+def test_switching_modes_mid_generation_keeps_greedy_output(deep_target):
+    from conftest import tiny_llama
+
+    drafters = [
+        build_drafter("earlyexit", deep_target, exit_layer=2),
+        build_drafter("layerskip", deep_target, skip_layers=[1]),
+        PlainDecoding(),
+        build_drafter("earlyexit", deep_target, exit_layer=1),
+        ModelDrafter(tiny_llama(seed=1, layers=1)),
+    ]
+    ref = deep_target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=60, min_new_tokens=60)
+    out, modes = switching(deep_target, drafters, SamplingParams(0), 60)
+    assert out == ref[0, len(PROMPT) :].tolist()
+    assert {"earlyexit", "layerskip", "off", "draft"} <= set(modes)
+
+
+def test_switching_modes_keeps_the_distribution(rough_target):
+    from collections import Counter
+
+    params = SamplingParams(1.0)
+    drafters = [build_drafter("earlyexit", rough_target, exit_layer=2), build_drafter("layerskip", rough_target, skip_layers=[2])]
+    counts = Counter()
+    for seed in range(400):
+        out, _ = switching(rough_target, drafters[seed % 2 :] + drafters[: seed % 2], params, 3, seed=seed)
+        counts[tuple(out[:2])] += 1
+    assert goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
+
+
+def test_default_exit_layer_tuned_then_builtin(deep_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    assert EarlyExitDrafter.build(deep_target).exit_layer == builtin_exit(4)
+    save_tuned(deep_target, "earlyexit", {"exit_layer": 1})
+    assert EarlyExitDrafter.build(deep_target).exit_layer == 1
+    assert EarlyExitDrafter.build(deep_target, exit_layer=3).exit_layer == 3
+    with pytest.raises(ModeUnavailable, match="exit-layer"):
+        EarlyExitDrafter.build(deep_target, exit_layer=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", SMOL_PROMPTS)
+def test_default_model_greedy_matches_hf_generate(smol, prompt):  # noqa: F811
+    ids = chat_ids(smol, prompt)
+    ref = smol.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[0, len(ids) :].tolist()
+    drafter = build_drafter("earlyexit", smol.model, exit_layer=24)
+    state = TargetState(smol.model)
+    records = list(generate(state, ids, Controls(drafter, k=3, sampling=SamplingParams(0)), max_new_tokens=24,
+                            eos_ids={smol.model.generation_config.eos_token_id}))
+    assert [t.id for r in records for t in r.tokens] == ref
+    assert sum(r.accepted for r in records) > 0

@@ -1,0 +1,84 @@
+"""Mode `layerskip`: greedy identity with HF generate, the distribution test (with its broken-rule control),
+tuned defaults, unsupported models, and the default model."""
+
+import pytest
+import torch
+
+from selfspec_helpers import SMOL_PROMPTS, chat_ids, deep_target, one_thread, rough_target, smol  # noqa: F401
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from specchat.decoding.drafters.layerskip import LayerSkipDrafter, builtin_skip
+from specchat.decoding.tuned import save_tuned
+from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, goodness_of_fit, run, sample_joint
+
+
+@pytest.mark.parametrize("skip", [[1], [0, 2], [3]])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_matches_hf_generate(deep_target, skip, k):
+    prompt = [3, 1, 4, 1, 5]
+    ref = deep_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    drafter = build_drafter("layerskip", deep_target, skip_layers=skip)
+    out, records = run(deep_target, drafter, prompt, k=k, params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref[0, len(prompt) :].tolist()
+    assert sum(r.drafted for r in records) > 0
+
+
+def test_draft_cache_stays_in_sync(deep_target):
+    """After each propose the draft cache covers the accepted tokens plus the drafts it fed itself."""
+    drafter = LayerSkipDrafter.build(deep_target, skip_layers=[1])
+    state = TargetState(deep_target)
+    controls = Controls(drafter, k=4, sampling=SamplingParams(1.0))
+    gen = torch.Generator().manual_seed(0)
+    for _ in generate(state, PROMPT, controls, max_new_tokens=30, eos_ids=set(), generator=gen):
+        assert drafter.cache.layers[0].get_seq_length() == len(drafter.cached)
+        assert drafter.cache.layers[1].get_seq_length() == 0  # the skipped layer never gets entries
+    assert drafter.extra_bytes > 0
+
+
+@pytest.mark.parametrize("case", ["t0.7-topk5"])
+def test_sampled_output_matches_target_distribution(rough_target, case):
+    params = SAMPLING_CASES[case]
+    drafter = build_drafter("layerskip", rough_target, skip_layers=[1, 2])
+    counts = sample_joint(rough_target, drafter, params, k=3, draws=2000, length=2)
+    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
+    assert result.passed(ALPHA), result
+
+
+def test_distribution_test_catches_a_broken_rule(rough_target):
+    params = SAMPLING_CASES["t1"]
+    drafter = build_drafter("layerskip", rough_target, skip_layers=[1, 2])
+    counts = sample_joint(rough_target, drafter, params, k=3, draws=1000, length=2, rule=ResampleFromP())
+    assert not goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
+
+
+def test_default_skip_set_tuned_then_builtin(deep_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    assert LayerSkipDrafter.build(deep_target).skip_layers == builtin_skip(4)
+    save_tuned(deep_target, "layerskip", {"skip_layers": [0, 3], "k": 3})
+    assert LayerSkipDrafter.build(deep_target).skip_layers == [0, 3]
+    assert LayerSkipDrafter.build(deep_target, skip_layers=[2]).skip_layers == [2]  # --skip-layers wins
+
+
+def test_unavailable_cases(deep_target):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=12, n_embd=16, n_layer=2, n_head=2))
+    with pytest.raises(ModeUnavailable, match="not supported"):
+        build_drafter("layerskip", gpt2)
+    with pytest.raises(ModeUnavailable, match="out of range"):
+        build_drafter("layerskip", deep_target, skip_layers=[7])
+    with pytest.raises(ModeUnavailable, match="every layer"):
+        build_drafter("layerskip", deep_target, skip_layers=[0, 1, 2, 3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", SMOL_PROMPTS)
+def test_default_model_greedy_matches_hf_generate(smol, prompt):  # noqa: F811
+    ids = chat_ids(smol, prompt)
+    ref = smol.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[0, len(ids) :].tolist()
+    drafter = build_drafter("layerskip", smol.model, skip_layers=[12, 20])
+    state = TargetState(smol.model)
+    records = list(generate(state, ids, Controls(drafter, k=4, sampling=SamplingParams(0)), max_new_tokens=24,
+                            eos_ids={smol.model.generation_config.eos_token_id}))
+    assert [t.id for r in records for t in r.tokens] == ref
+    assert sum(r.accepted for r in records) > 0
