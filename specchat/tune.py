@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specchat.cli import generation_options, load_session, model_options, user_errors
+from specchat.cli import load_session, model_options, user_errors
 from specchat.tuning import LOWRANK_RANKS, TUNABLE, CALIBRATION, Candidate, measure_speed, tune_model
 
 # ---------------------------------------------------------------- command
@@ -22,9 +22,9 @@ def _setting_text(setting: dict) -> str:
 @click.option("--tokens", type=click.IntRange(min=8), default=48, show_default=True, help="Greedy reply length per calibration prompt.")
 @click.option("--confirm/--no-confirm", default=True, show_default=True, help="Measure the chosen setting's real speed against plain decoding.")
 @click.option("--save/--no-save", default=True, show_default=True, help="Store the result as this model's default.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the search (the result is deterministic for a seed, given the measured costs).")
 @model_options
-@generation_options
-def tune(tune_mode, budget, tokens, confirm, save, **opts):
+def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
     """Find the best setting of a self-speculative mode for this model and save it as the default."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,9 +33,10 @@ def tune(tune_mode, budget, tokens, confirm, save, **opts):
     from specchat.decoding.tuned import save_tuned
 
     console = Console(stderr=True)
-    opts["mode"] = "off"
+    # plain greedy settings for the session (tune has its own --mode; --skip-layers etc. do not apply)
+    opts.update(mode="off", draft_len=4, temperature=0.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=tokens,
+                skip_layers=None, exit_layer=None, rank=None, adaptive=False, accept_rule="exact")
     session = load_session(opts)
-    seed = opts["seed"] if opts["seed"] is not None else 0
     model = session.target.model
     prompts = [session.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION]
     n = model.config.num_hidden_layers

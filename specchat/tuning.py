@@ -99,7 +99,9 @@ def measure_costs(model, k_max: int, reps: int = 5, context: int = 64) -> Costs:
     half = _median_ms(step([5], range(n // 2)), reps)
     layer_ms = max(full - half, 1e-6) / (n - n // 2)
     head_ms = max(full - n * layer_ms, 0.0)
-    verify = {k: _median_ms(step([5] * (k + 1)), reps) / plain for k in range(1, k_max + 1)}
+    verify, floor = {}, 1.0
+    for k in range(1, k_max + 1):  # more positions never cost less: keep the curve monotone against timing noise
+        verify[k] = floor = max(floor, _median_ms(step([5] * (k + 1)), reps) / plain)
     return Costs(head=head_ms / plain, layer=layer_ms / plain, verify=verify)
 
 
@@ -147,13 +149,18 @@ def matches(decoder, ref: Reference, layer_ids: list[int] | None = None, hidden:
 
 
 def replay(match: list[bool], k: int) -> tuple[int, int, int]:
-    """Greedy speculation over a match sequence: (rounds, drafted, accepted) to emit all of it."""
+    """Greedy speculation over a match sequence: (rounds, drafted, accepted) to emit all of it.
+
+    Mirrors the loop: a round drafts min(K, tokens left - 1), keeps the matching prefix, then adds one
+    target token (the replacement or the bonus).
+    """
     pos = rounds = drafted = accepted = 0
     while pos < len(match):
+        k_round = min(k, len(match) - pos - 1)
         n = 0
-        while n < k and pos + n < len(match) and match[pos + n]:
+        while n < k_round and match[pos + n]:
             n += 1
-        drafted += min(k, len(match) - pos)
+        drafted += k_round
         accepted += n
         pos += n + 1
         rounds += 1
@@ -183,7 +190,7 @@ def score(setting: dict, match_lists: list[list[bool]], k_max: int, draft_cost: 
         for m in match_lists:
             r, d, a = replay(m, k)
             rounds, drafted, accepted = rounds + r, drafted + d, accepted + a
-        speedup = tokens / (rounds * (k * draft_cost + verify_cost(k)))
+        speedup = tokens / (drafted * draft_cost + rounds * verify_cost(k))
         cand = Candidate(setting, k, accepted / max(drafted, 1), tokens / rounds, draft_cost, verify_cost(k), speedup)
         if best is None or cand.predicted_speedup > best.predicted_speedup:
             best = cand

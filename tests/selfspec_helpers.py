@@ -19,14 +19,14 @@ def one_thread():
 def deep_target():
     """Four layers, so there is something to skip and somewhere to exit. With the default init each layer
     changes little, so drafts mostly agree (greedy: full blocks and bonuses as well as rejections)."""
-    return tiny_llama(seed=0, layers=4)
+    return tiny_llama(seed=0, layers=4).requires_grad_(False)  # as load_model leaves a model
 
 
 @pytest.fixture(scope="module")
 def rough_target():
     """Four layers with a 5x larger init: each layer matters, drafts disagree (sampled acceptance ~0.25-0.6),
     so the distribution tests see many residual draws and the broken-rule control fails clearly."""
-    return tiny_llama(seed=0, layers=4, initializer_range=0.1)
+    return tiny_llama(seed=0, layers=4, initializer_range=0.1).requires_grad_(False)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,84 @@
+"""`specchat tune`: the replay model is exact for greedy, the search is deterministic for a seed, the CLI saves
+a default that the drafters then use."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from selfspec_helpers import deep_target, one_thread  # noqa: F401
+from specchat.decoding import SamplingParams
+from specchat.decoding.drafters import build_drafter
+from specchat.decoding.drafters.layers import Decoder
+from specchat.tuning import Costs, matches, reference, replay, tune_model
+from test_exactness import run
+
+COSTS = Costs(head=0.1, layer=0.2, verify={k: 1 + 0.05 * k for k in range(1, 9)})
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_replay_counts_rounds_like_greedy_speculation():
+    # round 1 drafts 2, both match, bonus; round 2 may draft only 1 (one token left after it): it matches
+    assert replay([True, True, False, True, False], 2) == (2, 3, 3)
+    assert replay([True] * 6, 3) == (2, 4, 4)
+    assert replay([False] * 4, 4) == (4, 6, 0)  # the last round drafts nothing
+
+
+@pytest.mark.parametrize("mode,setting", [("layerskip", {"skip_layers": [0, 2]}), ("earlyexit", {"exit_layer": 2})])
+@pytest.mark.parametrize("k", [2, 4])
+def test_teacher_forced_replay_predicts_the_real_loop(deep_target, mode, setting, k):
+    """Greedy is deterministic: the replayed rounds and acceptances are exactly the loop's."""
+    decoder = Decoder(deep_target)
+    ref = reference(decoder, [3, 1, 4, 1, 5], 40)
+    if mode == "layerskip":
+        match = matches(decoder, ref, [i for i in range(4) if i not in setting["skip_layers"]])
+    else:
+        match = matches(decoder, ref, hidden=ref.hidden[setting["exit_layer"]])
+    out, records = run(deep_target, build_drafter(mode, deep_target, **setting), [3, 1, 4, 1, 5], k=k,
+                       params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref.targets.tolist()
+    assert replay(match, k) == (len(records), sum(r.drafted for r in records), sum(r.accepted for r in records))
+
+
+@pytest.mark.parametrize("mode", ["layerskip", "earlyexit"])
+def test_tune_is_deterministic_for_a_seed(deep_target, mode):
+    a = tune_model(deep_target, PROMPTS, mode, seed=3, budget=12, max_new_tokens=24, costs=COSTS)
+    b = tune_model(deep_target, PROMPTS, mode, seed=3, budget=12, max_new_tokens=24, costs=COSTS)
+    assert [(c.setting, c.k, c.predicted_speedup) for c in a.candidates] == [(c.setting, c.k, c.predicted_speedup) for c in b.candidates]
+    assert a.best == max(a.candidates, key=lambda c: c.predicted_speedup)
+    if mode == "layerskip":
+        assert len(a.candidates) <= 12
+
+
+def test_tune_command_saves_the_default(tmp_path, monkeypatch):
+    from tiny_model import tiny_model_dir
+
+    from specchat.cli import main
+    from specchat.decoding.drafters.layerskip import LayerSkipDrafter
+    from specchat.models import load_model
+
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tiny_model_dir(tmp_path / "tiny", layers=4)
+    result = CliRunner().invoke(main, ["tune", "--mode", "layerskip", "--target", str(model_dir), "--dtype", "float32",
+                                       "--budget", "6", "--tokens", "12", "--seed", "1", "--no-confirm"])
+    assert result.exit_code == 0, result.output
+    assert "layerskip: best settings" in result.output
+    saved = json.loads(next((tmp_path / "cache" / "tuned").glob("*.json")).read_text())
+    import torch
+
+    model = load_model(str(model_dir), torch.device("cpu"), torch.float32).model
+    assert LayerSkipDrafter.build(model).skip_layers == saved["layerskip"]["skip_layers"]
+    assert saved["layerskip"]["seed"] == 1
+
+
+def test_tune_lowrank_says_when_unavailable(deep_target):
+    from specchat.decoding.drafters import ModeUnavailable
+
+    try:
+        build_drafter("lowrank", deep_target, rank=0.5)
+    except ModeUnavailable:
+        with pytest.raises(ModeUnavailable, match="lowrank"):
+            tune_model(deep_target, PROMPTS, "lowrank", costs=COSTS)
+    else:
+        result = tune_model(deep_target, PROMPTS, "lowrank", budget=2, max_new_tokens=12, costs=COSTS)
+        assert "rank" in result.best.setting
