@@ -104,3 +104,29 @@ def test_empty_and_too_long_prompts():
     assert r.exit_code == 1 and "prompt is empty" in r.output
     r = invoke("generate", "--prompt", "word " * 9000, "--raw")
     assert r.exit_code == 1 and "has a context of 8192" in r.output and "Traceback" not in r.output
+
+
+def test_mismatched_tokenizers_are_refused(tmp_path):
+    from tiny_model import tiny_model_dir
+
+    r = invoke("generate", "--prompt", "hi", "--draft", tiny_model_dir(tmp_path / "tiny"))
+    assert r.exit_code == 1 and "have different tokenizers" in r.output and "Traceback" not in r.output
+
+
+def test_padded_embeddings_with_one_tokenizer_are_accepted(tmp_path):
+    """Like Qwen's 0.5B/1.5B pair: the same tokenizer, embedding matrices of different sizes."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_model import tiny_model_dir
+
+    target = tiny_model_dir(tmp_path / "target", seed=0)
+    draft = tiny_model_dir(tmp_path / "draft", seed=1, layers=1)
+    model = AutoModelForCausalLM.from_pretrained(draft)
+    model.resize_token_embeddings(model.config.vocab_size + 13)
+    model.save_pretrained(draft)
+    args = ("generate", "--prompt", "hello world", "--target", target, "--format", "json", "--max-new-tokens", 20, "--dtype", "float32")
+    spec = invoke(*args, "--draft", draft)
+    plain = invoke(*args)
+    assert spec.exit_code == 0, spec.output
+    ids = lambda r: [json.loads(x)["id"] for x in r.stdout.splitlines()[:-1]]  # noqa: E731
+    assert ids(spec) == ids(plain) and json.loads(spec.stdout.splitlines()[-1])["mode"] == "draft"
