@@ -1,0 +1,62 @@
+"""Numerical edges of sampling and the exact rule (DESIGN.md section 3)."""
+
+import torch
+
+from specchat.decoding.acceptance import EXACT, draw_next
+from specchat.decoding.sampling import SamplingParams, logits_to_probs
+
+
+def test_greedy_is_one_hot_at_argmax_in_float32():
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]], dtype=torch.bfloat16)
+    probs = logits_to_probs(logits, SamplingParams(0))
+    assert probs.dtype == torch.float32 and probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_k_and_top_p_shape_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    top2 = logits_to_probs(logits, SamplingParams(1.0, top_k=2))
+    torch.testing.assert_close(top2, torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    # top-p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is still needed; 0.1 and 0.05 are not
+    nucleus = logits_to_probs(logits, SamplingParams(1.0, top_p=0.8))
+    torch.testing.assert_close(nucleus, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    assert logits_to_probs(logits, SamplingParams(1.0, top_p=0.01)).tolist() == [1.0, 0, 0, 0, 0]  # the top token always stays
+    hot = logits_to_probs(logits, SamplingParams(0.5))
+    torch.testing.assert_close(hot, torch.softmax(logits / 0.5, -1))
+
+
+def test_q_zero_never_gives_nan():
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    verdict = EXACT(torch.tensor([1]), q, p, torch.Generator().manual_seed(0), greedy=False)
+    assert verdict.accept_probs.tolist() == [1.0]  # p(x) > 0 = q(x): accept
+    verdict = EXACT(torch.tensor([0]), torch.tensor([[0.0, 1.0, 0.0]]), p, torch.Generator().manual_seed(0), greedy=False)
+    assert verdict.accept_probs.tolist() == [0.0] and verdict.accepted == 0  # p(x) = q(x) = 0: reject, no NaN
+    assert verdict.next_token in (1, 2)
+
+
+def test_vanishing_residual_falls_back_to_p_not_token_zero():
+    p = torch.tensor([[0.0, 0.25, 0.75], [0.0, 0.5, 0.5]])
+    q = p[:1].clone()  # p == q: max(0, p - q) is all zero
+    g = torch.Generator().manual_seed(0)
+    draws = [draw_next(0, q, p, g, greedy=False) for _ in range(400)]
+    assert 0 not in draws and 0.6 < draws.count(2) / 400 < 0.9
+
+
+def test_one_hot_q_accepts_with_probability_p_and_removes_x_from_the_residual():
+    p = torch.tensor([[0.3, 0.6, 0.1], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(1)
+    outcomes = [EXACT(torch.tensor([1]), q, p, g, greedy=False) for _ in range(4000)]
+    accepted = sum(v.accepted for v in outcomes) / 4000
+    assert abs(accepted - 0.6) < 0.03
+    replacements = [v.next_token for v in outcomes if v.accepted == 0]
+    assert 1 not in replacements and abs(replacements.count(0) / len(replacements) - 0.75) < 0.05
+
+
+def test_greedy_rule_is_argmax_matching():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    verdict = EXACT(torch.tensor([1, 1]), q, p, torch.Generator().manual_seed(0), greedy=True)
+    assert verdict.accepted == 1 and verdict.next_token == 2
+    verdict = EXACT(torch.tensor([1, 2]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), p, None, greedy=True)
+    assert verdict.accepted == 2 and verdict.next_token == 0  # all accepted: the bonus is p's argmax
