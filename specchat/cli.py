@@ -139,7 +139,10 @@ def configure_controls(session, opts: dict) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     if opts["adaptive"]:
-        raise UserError("--adaptive is not available yet")
+        from specchat.decoding.loop import AdaptiveK
+
+        # -k is the starting length; the schedule moves it within [1, max(16, 2K)]
+        session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]))
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})

@@ -75,8 +75,38 @@ class ExactRule:
 EXACT = ExactRule()
 
 
+class LenientRule:
+    """Lossy: accept x with probability min(1, p(x) / (lambda * q(x))), resample from normalize(max(0, p - lambda*q)).
+
+    lambda = 1 would be the exact rule; smaller lambda accepts more drafts (lambda -> 0 keeps every
+    draft: the output becomes the draft's). Greedy output is unchanged (an argmax mismatch has p(x) = 0).
+    Not distribution-preserving, so `exact` is False and every report says so.
+    """
+
+    exact = False
+
+    def __init__(self, lam: float) -> None:
+        if not 0 < lam < 1:
+            raise ValueError(f"approx:<lambda> needs 0 < lambda < 1 (lambda = 1 is the exact rule), got {lam}")
+        self.lam = lam
+        self.name = f"approx:{lam:g}"
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)  # [K], [K]
+        accept_probs = (px / (self.lam * qx).clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0)
+        u = torch.rand(accept_probs.shape, generator=generator, device=accept_probs.device)  # [K]
+        n = first_rejection(u < accept_probs)
+        return Verdict(n, draw_next(n, self.lam * q, p, generator, greedy), accept_probs)
+
+
 def parse_rule(spec: str) -> AcceptRule:
-    """`exact`, or `approx:<param>` for a lossy rule."""
+    """`exact`, or `approx:<lambda>` for the lossy LenientRule (0 < lambda < 1)."""
     if spec == "exact":
         return EXACT
-    raise ValueError(f"unknown acceptance rule {spec!r}; use 'exact'")
+    if spec.startswith("approx:"):
+        try:
+            lam = float(spec.removeprefix("approx:"))
+        except ValueError:
+            raise ValueError(f"approx:<lambda> needs a number, got {spec!r}") from None
+        return LenientRule(lam)
+    raise ValueError(f"unknown acceptance rule {spec!r}; use 'exact' or 'approx:<lambda>' (e.g. approx:0.5)")

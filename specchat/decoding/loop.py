@@ -55,6 +55,23 @@ class TargetState:
         crop_to(self.cache, len(self.tokens) - 1)
 
 
+class AdaptiveK:
+    """HF's heuristic draft-length schedule, kept per mode: K += 2 after a fully accepted block, K -= 1
+    after a rejection, within [k_min, k_max]. Long blocks where the draft agrees, short where it does not."""
+
+    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 16) -> None:
+        self.start, self.k_min, self.k_max = start, k_min, k_max
+        self.ks: dict[str, int] = {}  # mode -> current K
+
+    def k(self, mode: str) -> int:
+        return self.ks.get(mode, self.start)
+
+    def update(self, mode: str, drafted: int, accepted: int) -> None:
+        if drafted:  # a round without drafts (no lookup match, plain mode) says nothing about K
+            step = 2 if accepted == drafted else -1
+            self.ks[mode] = max(self.k_min, min(self.k_max, self.k(mode) + step))
+
+
 @dataclass
 class Controls:
     """Read at the start of every round, so another thread (the UI) may change them mid-reply."""
@@ -63,6 +80,7 @@ class Controls:
     k: int = 4
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: AcceptRule = EXACT
+    adaptive: AdaptiveK | None = None  # when set, it chooses K each round instead of `k`
 
     @property
     def mode(self) -> str:
@@ -110,10 +128,11 @@ def generate(
     produced = 0
     round_index = 0
     while produced < limit:
-        drafter, params, rule = controls.drafter, controls.sampling, controls.rule
+        drafter, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
+        want = adaptive.k(drafter.name) if adaptive else controls.k
         # never verify past the context window
         room = None if state.context_len is None else state.context_len - len(state.tokens) - 1
-        k = max(0, min(controls.k, room if room is not None else controls.k, limit - produced - 1))
+        k = max(0, min(want, room if room is not None else want, limit - produced - 1))
 
         t0 = clock(state.device)
         proposal = drafter.propose(state, k, params, generator) if k > 0 else Proposal.empty(state.device)
@@ -126,6 +145,8 @@ def generate(
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
         verdict = rule(draft_ids, q, p, generator, params.greedy)
         n = verdict.accepted
+        if adaptive:
+            adaptive.update(drafter.name, n_drafted, n)
         new = [*draft_ids[:n].tolist(), verdict.next_token]
 
         stop_reason = None

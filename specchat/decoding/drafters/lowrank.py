@@ -1,0 +1,203 @@
+"""Mode `lowrank`: the target with chosen linear layers replaced by truncated-SVD factors; full weights verify.
+
+A weight W [out, in] becomes A [out, r] @ B [r, in], so a draft step streams r * (out + in) numbers
+instead of out * in. The factorisation is activation-aware (ASVD): W's input columns are scaled by
+the RMS of the activations they see on a calibration text before the SVD, and unscaled after, so
+the rank is spent where the inputs have energy. The calibration text is one the target writes
+itself from its BOS token (no data set needed). Factors are computed once per model and rank and
+kept as safetensors under the user cache.
+
+The draft model is a structural copy of the target that shares every parameter except the
+replaced layers, with its own KV cache re-synced to `state.tokens` (ModelDrafter). Extra memory:
+the factors and the draft KV cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.tuned import load_tuned, model_key
+
+FORMAT = 1  # bump when the factorisation changes: old cache files are then ignored
+DEFAULT_RANK = 0.5  # fraction of full rank when nothing is tuned (see benchmarks/RESULTS-modes-b.md)
+DEFAULT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # the MLP holds ~3/4 of a layer's weights
+CALIBRATION_TOKENS = 256
+
+
+class LowRankLinear(torch.nn.Module):
+    """y = (x B^T) A^T + bias: [..., in] -> [..., r] -> [..., out], two thin matmuls instead of one wide one."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(a, requires_grad=False)  # [out, r]
+        self.b = torch.nn.Parameter(b, requires_grad=False)  # [r, in]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.b), self.a, self.bias)
+
+
+def resolve_rank(rank: float | int, shape: tuple[int, int]) -> int:
+    """A fraction (< 1) of full rank min(out, in), or an absolute rank; at least 1, at most full."""
+    full = min(shape)
+    r = round(rank * full) if isinstance(rank, float) and rank < 1 else int(rank)
+    return max(1, min(r, full))
+
+
+def layer_ranks(rank, n_layers: int) -> list:
+    """rank: one value for every layer, a list (one per layer), or {layer: rank}; None/absent = full weights."""
+    if isinstance(rank, dict):
+        ranks = {int(i): r for i, r in rank.items()}
+        return [ranks.get(i) for i in range(n_layers)]
+    if isinstance(rank, (list, tuple)):
+        if len(rank) != n_layers:
+            raise ValueError(f"a per-layer rank list needs {n_layers} entries, got {len(rank)}")
+        return list(rank)
+    return [rank] * n_layers
+
+
+def chosen_linears(model, rank, targets) -> dict[str, tuple[torch.nn.Linear, int]]:
+    """{module name: (linear, rank)} for every linear to factor; layers whose rank would not save weights are kept."""
+    layers = model.model.layers
+    out = {}
+    for i, r in enumerate(layer_ranks(rank, len(layers))):
+        if r is None:
+            continue
+        for name, module in layers[i].named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                k = resolve_rank(r, tuple(module.weight.shape))
+                if k * sum(module.weight.shape) < module.weight.numel():  # only if it is cheaper
+                    out[f"model.layers.{i}.{name}"] = (module, k)
+    return out
+
+
+@torch.inference_mode()
+def calibration_tokens(model, n: int = CALIBRATION_TOKENS, seed: int = 0) -> list[int]:
+    """`n` tokens the target samples from its BOS token: in-distribution text without a data set."""
+    from specchat.decoding.cache import forward_logits, new_cache
+
+    bos = model.config.bos_token_id
+    bos = bos[0] if isinstance(bos, list) else bos
+    tokens = [bos if bos is not None else 0]
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    cache, feed = new_cache(model), tokens
+    for _ in range(n - 1):
+        probs = torch.softmax(forward_logits(model, cache, feed, keep=1)[-1].float(), -1)  # [V]
+        feed = [int(torch.multinomial(probs, 1, generator=generator))]
+        tokens += feed
+    return tokens
+
+
+@torch.inference_mode()
+def input_rms(model, modules: dict[str, torch.nn.Module], tokens: list[int]) -> dict[str, torch.Tensor]:
+    """RMS of each input feature of each module over one forward of `tokens`: {name: [in]} float32."""
+    sums, hooks = {}, []
+    for name, module in modules.items():
+        def hook(mod, args, name=name):
+            x = args[0].float().reshape(-1, args[0].shape[-1])  # [S, in]
+            sums[name] = x.pow(2).mean(0)
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: s.sqrt().clamp_min(1e-6) for name, s in sums.items()}
+
+
+def factorize(weight: torch.Tensor, rank: int, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation-aware truncated SVD: W [out, in] ~ A [out, r] @ B [r, in], minimising the error on scaled inputs."""
+    u, s, vh = torch.linalg.svd(weight.float() * scale, full_matrices=False)  # [out, m], [m], [m, in]
+    return (u[:, :rank] * s[:rank]).contiguous(), (vh[:rank] / scale).contiguous()
+
+
+def fingerprint(model) -> str:
+    """Cheap content hash: a few weight sums, so that retrained weights at the same path are not mistaken."""
+    layer = model.model.layers[0]
+    sums = [float(p.float().sum()) for p in (*layer.parameters(), model.get_output_embeddings().weight)]
+    return hashlib.sha1(json.dumps(sums).encode()).hexdigest()[:8]
+
+
+def factors_path(model, chosen: dict, calibration: int) -> Path:
+    from specchat.models import cache_root
+
+    spec = json.dumps([FORMAT, calibration, sorted((n, r) for n, (_, r) in chosen.items()), fingerprint(model)])
+    return cache_root().parent / "lowrank" / f"{model_key(model)}-{hashlib.sha1(spec.encode()).hexdigest()[:12]}.safetensors"
+
+
+@torch.no_grad()
+def load_or_compute_factors(model, chosen: dict, calibration: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
+    """{"<name>.a": [out, r], "<name>.b": [r, in]} float32, from the disk cache or computed (and saved)."""
+    path = factors_path(model, chosen, calibration)
+    if path.is_file():
+        try:
+            return load_file(path)
+        except Exception:  # a truncated or foreign file: recompute
+            pass
+    scales = input_rms(model, {n: m for n, (m, _) in chosen.items()}, calibration_tokens(model, calibration))
+    factors = {}
+    for name, (module, r) in chosen.items():
+        factors[f"{name}.a"], factors[f"{name}.b"] = factorize(module.weight, r, scales[name])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp")
+    save_file({k: v.cpu() for k, v in factors.items()}, str(tmp))
+    tmp.replace(path)  # atomic: never a half-written cache file
+    return factors
+
+
+@torch.no_grad()
+def low_rank_copy(model, chosen: dict, calibration: int = CALIBRATION_TOKENS):
+    """(draft model, extra bytes): a copy of `model` sharing all weights except the `chosen` linears, factored."""
+    factors = load_or_compute_factors(model, chosen, calibration)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    draft = copy.deepcopy(model, memo=shared)
+    dtype, device = model.get_output_embeddings().weight.dtype, model.device
+    extra = 0
+    for name, (module, _) in chosen.items():
+        parent_name, attr = name.rsplit(".", 1)
+        a, b = (factors[f"{name}.{x}"].to(device, dtype) for x in "ab")
+        setattr(draft.get_submodule(parent_name), attr, LowRankLinear(a, b, module.bias))
+        extra += (a.numel() + b.numel()) * a.element_size()
+    return draft.eval(), extra
+
+
+class LowRankDrafter(ModelDrafter):
+    name = "lowrank"
+
+    @classmethod
+    def build(cls, target, draft=None, *, rank=None, lowrank_targets=None, **options) -> "LowRankDrafter":
+        from specchat.decoding.drafters import ModeUnavailable
+
+        if not hasattr(getattr(target, "model", None), "layers"):
+            raise ModeUnavailable(f"mode 'lowrank' needs a decoder with model.layers; {type(target).__name__} has none")
+        if rank is None:
+            tuned = load_tuned(target, "lowrank")
+            rank = tuned["rank"] if tuned and "rank" in tuned else DEFAULT_RANK
+        targets = tuple(lowrank_targets or DEFAULT_TARGETS)
+        try:
+            chosen = chosen_linears(target, rank, targets)
+        except (TypeError, ValueError) as e:
+            raise ModeUnavailable(f"--rank {rank!r}: {e}") from None
+        if not chosen:
+            raise ModeUnavailable(f"--rank {rank!r} factors no layer (a rank that saves no weights keeps the full layer)")
+        model, extra = low_rank_copy(target, chosen)
+        return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen))
+
+    def __init__(self, model, *, rank, extra_bytes: int = 0, n_factored: int = 0) -> None:
+        super().__init__(model)
+        self.rank, self.n_factored = rank, n_factored
+        self.weight_bytes = extra_bytes
+
+    @property
+    def extra_bytes(self) -> int:
+        from specchat.decoding.drafters.layers import cache_bytes
+
+        return self.weight_bytes + cache_bytes(self.cache)
