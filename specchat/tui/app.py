@@ -144,7 +144,7 @@ class SpecChatApp(App):
         self.recent: list[float] = []
         self.unavailable: dict[str, str] = {}
         if session.draft is None:
-            self.unavailable["draft"] = "F3 needs a separate draft model: start specchat with --draft MODEL"
+            self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
         self.pending_mode: str | None = None
         self.log_lines: list[tuple[str, str]] = []
         self.startup_notices: list[str] = []
@@ -188,6 +188,7 @@ class SpecChatApp(App):
         self.query_one(Inspector).show_token(None, self.session.token_text)
         self.refresh_panel()
         self.query_one("#prompt", Input).focus()
+        self.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panel())
         self.begin_capture_print(self, stdout=True, stderr=True)
         self._log_handler = _LogHandler(self)
         logging.getLogger().addHandler(self._log_handler)

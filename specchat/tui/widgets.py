@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
+from textual.color import Color
 from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.message import Message
@@ -398,7 +399,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
             line.append(f"\nswitching to {pending}…", style="italic")
         self.query_one("#mode-line", Static).update(line)
         self.query_one("#stats", Static).update(stats_table(reply, stats.get(mode, Stats()), mode))
-        colour = self.app.theme_variables.get("token-accepted", "green")
+        colour = rich_colour(self.app.theme_variables.get("token-accepted", ""), "green")
         recent_line = Text.assemble(("recent rounds ", "bold"), (spark(recent), colour) if recent else ("no drafts yet", "dim"))
         self.query_one("#spark", Static).update(recent_line)
         self.query_one("#positions", Static).update(positions_text(stats.get(mode), colour))
@@ -413,6 +414,14 @@ class StatsPanel(VerticalScroll, can_focus=False):
         speed.append(f"\n{why}", style="dim")
         self.query_one("#speedup", Static).update(speed)
         self.query_one("#modes", Static).update(modes_table(stats, mode, unavailable, pending))
+
+
+def rich_colour(value: str, fallback: str) -> str:
+    """A theme variable as a colour Rich understands (themes may write any CSS colour)."""
+    try:
+        return Color.parse(value).hex
+    except Exception:
+        return fallback
 
 
 def _copy(s: Stats) -> Stats:
