@@ -420,6 +420,27 @@ async def test_bad_input_is_refused_with_a_notice_and_the_conversation_kept():
 
 
 @pytest.mark.asyncio
+async def test_keys_while_a_drafter_is_building():
+    session = FakeSession(mode="off", available=("off", "lookup", "quant"), slow_modes=("quant",))
+    app = RecordingApp(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f7")
+        await pilot.pause()
+        assert app.pending_mode == "quant" and "switching to quant" in panel_text(app)
+        await send(pilot, "meanwhile")  # chatting goes on in the current mode while it builds
+        await wait_for(pilot, lambda: not app.generating)
+        assert {r.mode for r in session.turns[0].rounds} == {"off"}
+        await pilot.press("f8")  # changed our mind before the build finished: the last key wins
+        await wait_for(pilot, lambda: session.mode == "lookup")
+        session.build_gate.set()
+        await wait_for(pilot, lambda: "quant" in session._drafters)
+        await pilot.pause(0.05)
+        assert session.mode == "lookup" and app.pending_mode is None
+        await pilot.press("f7")  # built now: switching is immediate
+        await wait_for(pilot, lambda: session.mode == "quant")
+
+
+@pytest.mark.asyncio
 async def test_a_failing_generation_is_reported_and_the_app_survives():
     session = FakeSession(fail_at=2)
     app = RecordingApp(session)

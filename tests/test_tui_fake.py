@@ -37,7 +37,7 @@ class FakeDrafter:
 
 class FakeSession(Session):
     def __init__(self, *, mode="lookup", k=4, available=("off", "lookup"), draft_name=None, context_len=4096,
-                 reply=REPLY, gated=False, delay=0.0, fail_at=None) -> None:
+                 reply=REPLY, gated=False, delay=0.0, fail_at=None, slow_modes=()) -> None:
         self.target = SimpleNamespace(name="fake-target", model=None, tokenizer=None)
         self.draft = SimpleNamespace(name=draft_name, model=None) if draft_name else None
         self.available = set(available) | ({"draft"} if draft_name else set())
@@ -45,6 +45,7 @@ class FakeSession(Session):
         self.seed, self.max_new_tokens = 0, 64
         self.state = SimpleNamespace(context_len=context_len)
         self._drafters = {}
+        self.slow_modes, self.build_gate = set(slow_modes), threading.Event()  # slow drafters wait for build_gate
         self.controls = Controls(self.drafter(mode), k=k, sampling=SamplingParams(temperature=0.0))
         self.messages, self.turns, self.stats, self.total = [], [], {}, Stats()
         self.lock = threading.Lock()
@@ -56,6 +57,8 @@ class FakeSession(Session):
     def drafter(self, mode):
         if mode not in self.available:
             raise ModeUnavailable(f"mode {mode!r} is not available yet")
+        if mode in self.slow_modes and mode not in self._drafters:
+            assert self.build_gate.wait(timeout=10), "the test never let the slow drafter finish"
         return self._drafters.setdefault(mode, FakeDrafter(mode))
 
     def chat_prompt(self, messages):

@@ -252,7 +252,7 @@ class Legend(Widget):
         parts: list = []
         for kind in KINDS:
             if kind == "rejected" and not self.show_rejected:
-                parts.append("F10: rejected drafts")
+                parts.append("F10: rejected drafts  ")
                 continue
             style = Style.from_rich_style(self.get_component_rich_style(f"token--{kind}", partial=True))
             parts += [("■ " if kind != "rejected" else "", style), (kind, style), "  "]
