@@ -64,17 +64,9 @@ class Costs:
         return self.head + (n_layers - exit_layer) * per_layer + exit_layer * self.layer
 
 
-def _median_ms(fn: Callable[[], None], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def measure_costs(model, k_max: int, reps: int = 5, context: int = 64) -> Costs:
-    """Time a plain step, verifies of 2..k_max+1 tokens and layer-by-layer passes; fit the linear model."""
+def measure_costs(model, k_max: int, reps: int = 7, context: int = 64) -> Costs:
+    """Time a plain step, verifies of 2..k_max+1 tokens and layer-by-layer passes, interleaved (one of each
+    per repetition, so load from other processes hits all alike); medians fit the linear model."""
     from specchat.decoding.cache import crop_to, forward_logits, new_cache
     from specchat.decoding.drafters.layers import Decoder
 
@@ -82,27 +74,26 @@ def measure_costs(model, k_max: int, reps: int = 5, context: int = 64) -> Costs:
     n = decoder.n_layers
     cache = new_cache(model)
     forward_logits(model, cache, [i % decoder.lm_head.weight.shape[0] for i in range(context)], keep=1)  # a context to attend to
-
-    def step(ids, layers=None):
-        def fn():
+    cases = {"plain": ([5], None), "full": ([5], range(n)), "half": ([5], range(n // 2))}
+    cases.update({k: ([5] * (k + 1), None) for k in range(1, k_max + 1)})
+    times: dict = {name: [] for name in cases}
+    for rep in range(reps + 1):
+        for name, (ids, layers) in cases.items():
+            t = time.perf_counter()
             if layers is None:
                 forward_logits(model, cache, ids, keep=len(ids))
             else:
                 decoder.forward(ids, layers, cache, context)
+            if rep:  # the first repetition warms up
+                times[name].append(time.perf_counter() - t)
             crop_to(cache, context)
-
-        return fn
-
-    step([5])()  # warm-up
-    plain = _median_ms(step([5]), reps)
-    full = _median_ms(step([5], range(n)), reps)
-    half = _median_ms(step([5], range(n // 2)), reps)
-    layer_ms = max(full - half, 1e-6) / (n - n // 2)
-    head_ms = max(full - n * layer_ms, 0.0)
+    ms = {name: 1000 * statistics.median(ts) for name, ts in times.items()}
+    layer_ms = max(ms["full"] - ms["half"], 1e-6) / (n - n // 2)
+    head_ms = max(ms["full"] - n * layer_ms, 0.0)
     verify, floor = {}, 1.0
     for k in range(1, k_max + 1):  # more positions never cost less: keep the curve monotone against timing noise
-        verify[k] = floor = max(floor, _median_ms(step([5] * (k + 1)), reps) / plain)
-    return Costs(head=head_ms / plain, layer=layer_ms / plain, verify=verify)
+        verify[k] = floor = max(floor, ms[k] / ms["plain"])
+    return Costs(head=head_ms / ms["plain"], layer=layer_ms / ms["plain"], verify=verify)
 
 
 # ---------------------------------------------------------------- calibration data
