@@ -173,7 +173,9 @@ class LowRankDrafter(ModelDrafter):
     name = "lowrank"
 
     @classmethod
-    def build(cls, target, draft=None, *, rank=None, lowrank_targets=None, **options) -> "LowRankDrafter":
+    def build(
+        cls, target, draft=None, *, rank=None, lowrank_targets=None, calibration: int = CALIBRATION_TOKENS, **options
+    ) -> "LowRankDrafter":
         from specchat.decoding.drafters import ModeUnavailable
 
         if not hasattr(getattr(target, "model", None), "layers"):
@@ -188,7 +190,7 @@ class LowRankDrafter(ModelDrafter):
             raise ModeUnavailable(f"--rank {rank!r}: {e}") from None
         if not chosen:
             raise ModeUnavailable(f"--rank {rank!r} factors no layer (a rank that saves no weights keeps the full layer)")
-        model, extra = low_rank_copy(target, chosen)
+        model, extra = low_rank_copy(target, chosen, calibration)
         return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen))
 
     def __init__(self, model, *, rank, extra_bytes: int = 0, n_factored: int = 0) -> None:

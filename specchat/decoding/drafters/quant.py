@@ -16,6 +16,7 @@ draft KV cache.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -50,7 +51,10 @@ def torch_ao_int8_copy(model):
             fp32.weight.copy_(linear.weight)  # a float32 view of one layer at a time, never of the whole model
             if linear.bias is not None:
                 fp32.bias.copy_(linear.bias)
-        qlinear = quantize_dynamic(torch.nn.Sequential(fp32), {torch.nn.Linear}, dtype=torch.qint8)[0]
+        with warnings.catch_warnings():  # torch.ao's deprecation notices: the choice is explained above
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            qlinear = quantize_dynamic(torch.nn.Sequential(fp32), {torch.nn.Linear}, dtype=torch.qint8)[0]
         parent, _, attr = name.rpartition(".")
         setattr(draft.get_submodule(parent) if parent else draft, attr, qlinear)
         extra += _module_bytes(qlinear)

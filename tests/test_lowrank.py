@@ -1,0 +1,105 @@
+"""Mode `lowrank`: truncated-SVD factors of the target's linears draft. Ranks, disk cache, greedy identity, exactness."""
+
+import pytest
+import torch
+
+from selfspec_helpers import SMOL_PROMPTS, chat_ids, one_thread, rough_target, smol  # noqa: F401  (fixtures)
+from specchat.decoding import SamplingParams
+from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from specchat.decoding.drafters import lowrank
+from specchat.decoding.tuned import save_tuned
+from specchat.verify import goodness_of_fit
+from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """Factors and tuned settings go to a fresh user cache per test."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_rank_specs():
+    assert lowrank.resolve_rank(0.25, (64, 32)) == 8 and lowrank.resolve_rank(5, (64, 32)) == 5
+    assert lowrank.resolve_rank(100, (64, 32)) == 32 and lowrank.resolve_rank(0.001, (64, 32)) == 1
+    assert lowrank.layer_ranks(0.5, 3) == [0.5, 0.5, 0.5]
+    assert lowrank.layer_ranks({"1": 4}, 3) == [None, 4, None]
+    with pytest.raises(ValueError):
+        lowrank.layer_ranks([1, 2], 3)
+
+
+def test_factorize_is_exact_at_full_rank_and_close_at_high_rank():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 16, generator=g)
+    scale = torch.rand(16, generator=g) + 0.5
+    a, b = lowrank.factorize(w, 16, scale)
+    torch.testing.assert_close(a @ b, w, rtol=1e-4, atol=1e-4)
+    a, b = lowrank.factorize(w, 4, scale)
+    assert a.shape == (24, 4) and b.shape == (4, 16)
+
+
+@pytest.mark.parametrize("rank", [0.5, 2, {"0": 2}])
+def test_greedy_matches_hf_generate(rough_target, rank):
+    prompt = [3, 1, 4, 1, 5]
+    ref = rough_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    drafter = build_drafter("lowrank", rough_target, rank=rank, calibration=32)
+    out, records = run(rough_target, drafter, prompt, k=4, params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) > 0
+
+
+def test_draft_shares_weights_and_target_is_untouched(rough_target):
+    before = {n: p.clone() for n, p in rough_target.named_parameters()}
+    drafter = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    draft = drafter.model
+    assert draft.model.embed_tokens.weight is rough_target.model.embed_tokens.weight
+    assert isinstance(draft.model.layers[0].mlp.down_proj, lowrank.LowRankLinear)
+    assert isinstance(rough_target.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert drafter.weight_bytes == sum(p.numel() * 4 for m in draft.modules() if isinstance(m, lowrank.LowRankLinear) for p in (m.a, m.b))
+    for n, p in rough_target.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_factors_are_cached_on_disk_per_rank(rough_target, cache_dir, monkeypatch):
+    first = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    files = list(cache_dir.rglob("*.safetensors"))
+    assert len(files) == 1
+    monkeypatch.setattr(lowrank, "factorize", lambda *a: pytest.fail("factors should come from the disk cache"))
+    again = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    a1 = first.model.model.layers[1].mlp.up_proj.a
+    assert torch.equal(a1, again.model.model.layers[1].mlp.up_proj.a)
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(cache_dir))
+    build_drafter("lowrank", rough_target, rank=3, calibration=32)
+    assert len(list(cache_dir.rglob("*.safetensors"))) == 2
+
+
+def test_default_rank_comes_from_tune_then_builtin(rough_target):
+    assert build_drafter("lowrank", rough_target, calibration=32).rank == lowrank.DEFAULT_RANK
+    save_tuned(rough_target, "lowrank", {"rank": 3})
+    assert build_drafter("lowrank", rough_target, calibration=32).rank == 3
+
+
+def test_a_rank_that_saves_nothing_is_unavailable(rough_target):
+    with pytest.raises(ModeUnavailable, match="factors no layer"):
+        build_drafter("lowrank", rough_target, rank=16)
+
+
+@pytest.mark.parametrize("case", ["t0.7-topk5"])
+def test_sampled_output_matches_target_distribution(rough_target, case):
+    params = SAMPLING_CASES[case]
+    drafter = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    counts = sample_joint(rough_target, drafter, params, k=3, draws=1500, length=2)
+    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
+    assert result.passed(ALPHA), result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", SMOL_PROMPTS)
+def test_default_model_greedy_matches_hf_generate(smol, text):
+    prompt = chat_ids(smol, text)
+    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
+    drafter = build_drafter("lowrank", smol.model, rank=0.5, calibration=32)
+    out, records = run(smol.model, drafter, prompt, k=4, params=SamplingParams(0), max_new_tokens=24)
+    assert out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) > 0

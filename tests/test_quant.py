@@ -1,0 +1,72 @@
+"""Mode `quant`: an int8 copy of the target drafts. Greedy identity, exact sampling, unavailability, memory."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from selfspec_helpers import SMOL_PROMPTS, chat_ids, one_thread, rough_target, smol  # noqa: F401  (fixtures)
+from specchat.decoding import SamplingParams
+from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from specchat.verify import goodness_of_fit
+from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_matches_hf_generate(rough_target, k):
+    prompt = [3, 1, 4, 1, 5]
+    ref = rough_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    out, records = run(rough_target, build_drafter("quant", rough_target), prompt, k=k, params=SamplingParams(0), max_new_tokens=40)
+    assert out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) > 0
+
+
+def test_bf16_target_greedy_identity_and_target_untouched():
+    """A bf16 target: the int8 copy runs in float32 on the shared embedding; the target's weights stay bf16."""
+    target = tiny_llama(seed=0, layers=2, initializer_range=0.1).requires_grad_(False).to(torch.bfloat16)
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    drafter = build_drafter("quant", target)
+    prompt = [3, 1, 4, 1, 5]
+    ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30)
+    out, records = run(target, drafter, prompt, k=3, params=SamplingParams(0), max_new_tokens=30)
+    assert out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) > 0
+    for n, p in target.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("case", ["topp0.8"])
+def test_sampled_output_matches_target_distribution(rough_target, case):
+    params = SAMPLING_CASES[case]
+    counts = sample_joint(rough_target, build_drafter("quant", rough_target), params, k=3, draws=1500, length=2)
+    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
+    assert result.passed(ALPHA), result
+
+
+def test_extra_memory_is_about_one_byte_per_linear_weight(rough_target):
+    drafter = build_drafter("quant", rough_target)
+    linear = sum(m.weight.numel() for m in rough_target.modules() if isinstance(m, torch.nn.Linear))
+    assert linear <= drafter.weight_bytes <= linear + 4096
+
+
+class FakeCudaModel:
+    device = torch.device("cuda")
+
+
+def test_unavailable_without_an_int8_path(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError
+    with pytest.raises(ModeUnavailable, match="torchao"):
+        build_drafter("quant", FakeCudaModel())
+    with pytest.raises(ModeUnavailable, match="CPU only"):
+        build_drafter("quant", FakeCudaModel(), quant_backend="torch.ao")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", SMOL_PROMPTS)
+def test_default_model_greedy_matches_hf_generate(smol, text):
+    prompt = chat_ids(smol, text)
+    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
+    out, records = run(smol.model, build_drafter("quant", smol.model), prompt, k=4, params=SamplingParams(0), max_new_tokens=24)
+    assert out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) / sum(r.drafted for r in records) > 0.3
