@@ -95,9 +95,12 @@ def bench_dtype(dtype, args) -> dict:
     configs = {
         "off": (PlainDecoding(), 1),
         "off-lean": (LeanPlain(model), 1),
-        "layerskip": (layerskip, k_ls),
-        "earlyexit": (earlyexit, k_ee),
+        f"layerskip K={k_ls}": (layerskip, k_ls),
+        f"earlyexit K={k_ee}": (earlyexit, k_ee),
     }
+    for k in args.more_k:  # the same drafters at other draft lengths, to show the trend
+        configs[f"layerskip K={k}"] = (layerskip, k)
+        configs[f"earlyexit K={k}"] = (earlyexit, k)
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False)) for p in PROMPTS[: args.prompts]]
     stats = {name: Stats() for name in configs}
     hf = {"hf-plain": [0.0, 0], "hf-earlyexit": [0.0, 0]}
@@ -112,7 +115,7 @@ def bench_dtype(dtype, args) -> dict:
             ref = None
             for name, (drafter, k) in configs.items():
                 out = run_loop(model, drafter, prompt, k, args.tokens, eos, stats[name])
-                if name == "layerskip":
+                if drafter is layerskip:
                     extra_bytes["layerskip"] = max(extra_bytes["layerskip"], drafter.extra_bytes)
                 ref = ref or out
                 if out != ref:
@@ -130,7 +133,7 @@ def bench_dtype(dtype, args) -> dict:
     for name, s in stats.items():
         k = configs[name][1]
         rows[name] = {
-            "k": k if name in ("layerskip", "earlyexit") else 0,
+            "k": 0 if name.startswith("off") else k,
             "tokens": s.emitted,
             "tokens_per_s": s.tokens_per_s,
             "speedup": s.tokens_per_s / off.tokens_per_s,
@@ -189,6 +192,7 @@ def main() -> None:
     p.add_argument("-k", type=int, default=None, help="draft length for both modes (default: tuned, else 4)")
     p.add_argument("--skip-layers", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--exit-layer", type=int, default=None)
+    p.add_argument("--more-k", type=lambda s: [int(x) for x in s.split(",")], default=[3], help="extra draft lengths to run")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate and assistant_early_exit")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
