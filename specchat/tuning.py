@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
