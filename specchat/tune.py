@@ -5,9 +5,7 @@ from __future__ import annotations
 import click
 
 from specchat.cli import load_session, model_options, user_errors
-from specchat.tuning import LOWRANK_RANKS, TUNABLE, CALIBRATION, Candidate, measure_speed, tune_model
-
-# ---------------------------------------------------------------- command
+from specchat.tuning import CALIBRATION, LOWRANK_RANKS, TUNABLE, Candidate, measure_speed, tune_model
 
 
 def _setting_text(setting: dict) -> str:
@@ -66,7 +64,8 @@ def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
         f"calibration: {len(prompts)} prompts, {result.calibration_tokens} greedy tokens, seed {seed}"
     )
     table = Table(title=f"{tune_mode}: best settings on {session.target.name} ({session.device_label}/{session.dtype_label})")
-    for col in ("setting", "K", "acceptance", "tokens/round", "draft cost", "verify cost", "predicted speedup"):
+    # costs are relative to one plain target step; the speedup is predicted from the replayed greedy rounds
+    for col in ("setting", "K", "accept", "tok/round", "draft", "verify", "speedup"):
         table.add_column(col, justify="right")
     for cand in result.candidates[:10]:
         table.add_row(_setting_text(cand.setting), str(cand.k), f"{cand.acceptance:.3f}", f"{cand.mean_accepted_length:.2f}",
