@@ -1,0 +1,97 @@
+"""Adaptive draft length and mode switching mid-generation: greedy identity and exact sampling are kept."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import tiny_llama
+from selfspec_helpers import one_thread  # noqa: F401  (fixture)
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.loop import AdaptiveK
+from specchat.verify import goodness_of_fit
+from test_exactness import ALPHA, PROMPT, exact_joint, sample_joint
+from tiny_model import tiny_model_dir
+
+
+def test_schedule_grows_on_full_blocks_and_shrinks_on_rejections():
+    a = AdaptiveK(start=4, k_min=1, k_max=8)
+    a.update("draft", 4, 4)
+    assert a.k("draft") == 6 and a.k("quant") == 4  # per mode
+    a.update("draft", 6, 6)
+    a.update("draft", 8, 8)
+    assert a.k("draft") == 8  # bounded above
+    for _ in range(10):
+        a.update("draft", 3, 1)
+    assert a.k("draft") == 1  # bounded below
+    a.update("draft", 0, 0)  # a round without drafts says nothing
+    assert a.k("draft") == 1
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return tiny_llama(seed=0, layers=4).requires_grad_(False)
+
+
+def hf_greedy(model, prompt, n):
+    return model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("mode", ["draft", "lookup", "quant", "lowrank"])
+def test_adaptive_greedy_matches_hf_generate(deep, tiny_draft, mode):
+    prompt = [3, 1, 4, 1, 5]
+    drafter = ModelDrafter(tiny_draft) if mode == "draft" else build_drafter(mode, deep, rank=2, calibration=16)
+    controls = Controls(drafter, k=3, sampling=SamplingParams(0), adaptive=AdaptiveK(start=3, k_max=8))
+    records = list(generate(TargetState(deep), prompt, controls, max_new_tokens=60, eos_ids=set()))
+    assert [t.id for r in records for t in r.tokens] == hf_greedy(deep, prompt, 60)
+    if mode != "lookup":
+        assert len({r.draft_len for r in records}) > 1  # K really moved
+
+
+def test_adaptive_sampling_matches_target_distribution(tiny_target, tiny_draft):
+    params = SamplingParams(1.0)
+    controls_k = AdaptiveK(start=2, k_max=6)
+    from specchat.verify import sample_continuations
+
+    controls = Controls(ModelDrafter(tiny_draft), k=2, sampling=params, adaptive=controls_k)
+    counts = sample_continuations(TargetState(tiny_target), PROMPT, controls, draws=1500, length=3, eos_ids=set(),
+                                  generator=torch.Generator().manual_seed(0))
+    result = goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 3))
+    assert result.passed(ALPHA), result
+
+
+def test_switching_modes_every_round_keeps_greedy_output(deep, tiny_draft):
+    """Rotate through every mode that builds, one round each, as the TUI's keys would: output = plain greedy."""
+    drafters = [ModelDrafter(tiny_draft)]
+    for mode in ("off", "lookup", "quant", "lowrank", "layerskip", "earlyexit"):
+        try:
+            drafters.append(build_drafter(mode, deep, rank=2, calibration=16))
+        except ModeUnavailable:
+            pass
+    assert {"lookup", "quant", "lowrank"} <= {d.name for d in drafters}
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for k in (2, 4):
+        controls = Controls(drafters[0], k=k, sampling=SamplingParams(0))
+        out, used = [], []
+        for i, record in enumerate(generate(TargetState(deep), prompt, controls, max_new_tokens=60, eos_ids=set())):
+            out += [t.id for t in record.tokens]
+            used.append(record.mode)
+            controls.drafter = drafters[(i + 1) % len(drafters)]
+        assert out == hf_greedy(deep, prompt, 60)
+        assert set(used) == {d.name for d in drafters}
+
+
+def test_cli_adaptive_flag(tmp_path):
+    from specchat.cli import main
+
+    target = tiny_model_dir(tmp_path / "tiny")
+    args = ["generate", "--target", str(target), "--prompt", "write a short story", "--format", "json", "--max-new-tokens", "30",
+            "--mode", "quant", "--dtype", "float32"]
+    fixed = CliRunner().invoke(main, args, catch_exceptions=False)
+    adaptive = CliRunner().invoke(main, [*args, "--adaptive"], catch_exceptions=False)
+    assert fixed.exit_code == 0 and adaptive.exit_code == 0, adaptive.output
+    ids = lambda r: [json.loads(x)["id"] for x in r.stdout.splitlines()[:-1]]  # noqa: E731
+    assert ids(fixed) == ids(adaptive)  # greedy: the schedule changes speed, never the text
