@@ -82,3 +82,25 @@ def test_default_model_greedy_matches_hf_generate(smol, prompt):  # noqa: F811
                             eos_ids={smol.model.generation_config.eos_token_id}))
     assert [t.id for r in records for t in r.tokens] == ref
     assert sum(r.accepted for r in records) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_greedy_matches_hf_generate(arch):
+    """Qwen2 (attention biases) and Mistral run through the same layer-by-layer path; a sliding window does not."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=None, tie_word_embeddings=False, sliding_window=None)
+    model = model_cls(config).eval().requires_grad_(False)
+    prompt = [3, 1, 4, 1, 5]
+    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30)[0, len(prompt) :].tolist()
+    for mode, opts in (("layerskip", {"skip_layers": [1]}), ("earlyexit", {"exit_layer": 2})):
+        out, _ = run(model, build_drafter(mode, model, **opts), prompt, k=3, params=SamplingParams(0), max_new_tokens=30)
+        assert out == ref, (arch, mode)
+    if arch == "mistral":
+        config.sliding_window = 16
+        with pytest.raises(ModeUnavailable, match="sliding-window"):
+            build_drafter("layerskip", model_cls(config))

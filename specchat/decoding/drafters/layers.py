@@ -30,13 +30,14 @@ class Decoder:
                 f"self-speculative modes need a Llama/Qwen2/Mistral-style decoder (model.model.layers); "
                 f"{type(model).__name__} ({config.model_type}) is not supported"
             )
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-            raise ModeUnavailable(f"self-speculative modes do not support sliding-window layers ({type(model).__name__})")
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+        if sliding or (config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+            # a sliding-window cache drops old entries, so it can neither be rolled back nor masked from positions
+            raise ModeUnavailable(f"self-speculative modes do not support sliding-window attention ({type(model).__name__})")
         self.model = model
         self.embed_tokens, self.layers, self.norm, self.rotary_emb = parts
         self.lm_head = model.get_output_embeddings()
         self.n_layers = len(self.layers)
-        self.window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
 
     @property
     def device(self) -> torch.device:
@@ -49,17 +50,14 @@ class Decoder:
     def mask(self, q_len: int, past: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive causal mask [1, 1, S, past + S] for a chunk starting after `past` cached positions.
 
-        None for a single query with no window: it may attend to everything (and SDPA takes its fast path).
+        None for a single query: it attends to everything (and SDPA takes its fast path).
         """
-        if q_len == 1 and (self.window is None or past < self.window):
+        if q_len == 1:
             return None
         q_pos = torch.arange(past, past + q_len, device=self.device)[:, None]  # [S, 1]
         k_pos = torch.arange(past + q_len, device=self.device)[None, :]  # [1, past + S]
-        allowed = k_pos <= q_pos
-        if self.window is not None:
-            allowed &= q_pos - k_pos < self.window
-        zeros = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        return zeros.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        mask = torch.zeros(q_len, past + q_len, dtype=dtype, device=self.device)
+        return mask.masked_fill(k_pos > q_pos, torch.finfo(dtype).min)[None, None]
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache, past: int) -> torch.Tensor:
