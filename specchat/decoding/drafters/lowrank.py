@@ -1,10 +1,9 @@
 """Mode `lowrank`: the target with chosen linear layers replaced by truncated-SVD factors; full weights verify.
 
 A weight W [out, in] becomes A [out, r] @ B [r, in], so a draft step streams r * (out + in) numbers
-instead of out * in. The factorisation is activation-aware (ASVD): W's input columns are scaled by
-the RMS of the activations they see on a calibration text before the SVD, and unscaled after, so
-the rank is spent where the inputs have energy. The calibration text is one the target writes
-itself from its BOS token (no data set needed). Factors are computed once per model and rank and
+instead of out * in. The factorisation is activation-aware: it minimises the error on the inputs the
+layer actually sees on a calibration text (whitened SVD, as in SVD-LLM), not the error on W itself.
+The calibration text is one the target writes itself from its BOS token (no data set needed). Factors are computed once per model and rank and
 kept as safetensors under the user cache.
 
 The draft model is a structural copy of the target that shares every parameter except the
@@ -26,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from specchat.decoding.drafters.model import ModelDrafter
 from specchat.decoding.tuned import load_tuned, model_key
 
-FORMAT = 1  # bump when the factorisation changes: old cache files are then ignored
+FORMAT = 2  # bump when the factorisation changes: old cache files are then ignored
 DEFAULT_RANK = 0.5  # fraction of full rank when nothing is tuned (see benchmarks/RESULTS-modes-b.md)
 DEFAULT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # the MLP holds ~3/4 of a layer's weights
 CALIBRATION_TOKENS = 256
@@ -97,26 +96,36 @@ def calibration_tokens(model, n: int = CALIBRATION_TOKENS, seed: int = 0) -> lis
 
 
 @torch.inference_mode()
-def input_rms(model, modules: dict[str, torch.nn.Module], tokens: list[int]) -> dict[str, torch.Tensor]:
-    """RMS of each input feature of each module over one forward of `tokens`: {name: [in]} float32."""
-    sums, hooks = {}, []
+def input_grams(model, modules: dict[str, torch.nn.Module], tokens: list[int]) -> dict[str, torch.Tensor]:
+    """X^T X / n of each module's inputs over one forward of `tokens`: {name: [in, in]} float32."""
+    grams, hooks = {}, []
     for name, module in modules.items():
         def hook(mod, args, name=name):
             x = args[0].float().reshape(-1, args[0].shape[-1])  # [S, in]
-            sums[name] = x.pow(2).mean(0)
+            grams[name] = x.T @ x / x.shape[0]
         hooks.append(module.register_forward_pre_hook(hook))
     try:
         model(input_ids=torch.tensor([tokens], device=model.device), use_cache=False, logits_to_keep=1)
     finally:
         for h in hooks:
             h.remove()
-    return {name: s.sqrt().clamp_min(1e-6) for name, s in sums.items()}
+    return grams
 
 
-def factorize(weight: torch.Tensor, rank: int, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation-aware truncated SVD: W [out, in] ~ A [out, r] @ B [r, in], minimising the error on scaled inputs."""
-    u, s, vh = torch.linalg.svd(weight.float() * scale, full_matrices=False)  # [out, m], [m], [m, in]
-    return (u[:, :rank] * s[:rank]).contiguous(), (vh[:rank] / scale).contiguous()
+def factorize(weight: torch.Tensor, rank: int, gram: torch.Tensor, damp: float = 1e-2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD that minimises the error on the calibration inputs, W [out, in] ~ A [out, r] @ B [r, in].
+
+    With X^T X = L L^T (damped: fewer calibration tokens than input features), the best rank-r
+    approximation of W X is that of W L (SVD-LLM's whitening): W L = U S V^T, A = U_r S_r, B = V_r^T L^-1.
+    A plain SVD of W spends the rank on directions the inputs never use: on SmolLM2-135M it kept no
+    greedy agreement at half rank (benchmarks/RESULTS-modes-b.md).
+    """
+    gram = gram.float()
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    chol = torch.linalg.cholesky(gram + damp * gram.diagonal().mean().clamp_min(1e-8) * eye)  # [in, in] lower
+    u, s, vh = torch.linalg.svd(weight.float() @ chol, full_matrices=False)  # [out, m], [m], [m, in]
+    b = torch.linalg.solve_triangular(chol, vh[:rank], upper=False, left=False)  # [r, in] = V_r^T L^-1
+    return (u[:, :rank] * s[:rank]).contiguous(), b.contiguous()
 
 
 def fingerprint(model) -> str:
@@ -142,10 +151,10 @@ def load_or_compute_factors(model, chosen: dict, calibration: int = CALIBRATION_
             return load_file(path)
         except Exception:  # a truncated or foreign file: recompute
             pass
-    scales = input_rms(model, {n: m for n, (m, _) in chosen.items()}, calibration_tokens(model, calibration))
+    grams = input_grams(model, {n: m for n, (m, _) in chosen.items()}, calibration_tokens(model, calibration))
     factors = {}
     for name, (module, r) in chosen.items():
-        factors[f"{name}.a"], factors[f"{name}.b"] = factorize(module.weight, r, scales[name])
+        factors[f"{name}.a"], factors[f"{name}.b"] = factorize(module.weight, r, grams.pop(name))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp")
     save_file({k: v.cpu() for k, v in factors.items()}, str(tmp))

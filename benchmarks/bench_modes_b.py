@@ -1,0 +1,179 @@
+"""Modes quant, lowrank and lookup, adaptive K and the approximate rule on the default model, interleaved.
+
+For each dtype, every prompt is generated greedily by every configuration in turn, so the load from other
+processes on this shared machine falls on all of them alike; speedups are ratios of tokens/s within one
+run. Workloads:
+  chat    ordinary chat prompts: off, quant, lowrank, lookup, each at fixed K and with --adaptive
+  repeat  a prompt that invites repetition (rewrite a given function): off, lookup (fixed / adaptive),
+          HF generate plain and with prompt_lookup_num_tokens
+Every configuration's greedy output is checked against plain decoding (exact modes must match).
+Memory: each drafter's extra bytes (factors / int8 copy / draft KV cache) and the process RSS growth when
+it is built.
+
+Usage: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_modes_b.py [--dtypes float32,bfloat16] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
+from specchat.decoding.acceptance import parse_rule
+from specchat.decoding.drafters import build_drafter
+from specchat.decoding.drafters.plain import PlainDecoding
+from specchat.decoding.loop import AdaptiveK
+from specchat.decoding.stats import Stats
+from specchat.models import load_model
+
+CHAT = [
+    "Give me three tips for writing clear emails.",
+    "Explain how a bicycle gear system works.",
+    "What is the difference between a list and a tuple in Python?",
+]
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item["price"] * item["quantity"]
+    tax = subtotal * tax_rate
+    return subtotal + tax'''
+REPEAT = [f"Here is a Python function:\n\n{CODE}\n\nRewrite it exactly, but rename `subtotal` to `net`. Show the full code."]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_loop(model, drafter, prompt, k, tokens, eos, stats: Stats, adaptive=False, rule="exact") -> list[int]:
+    drafter.reset()
+    controls = Controls(drafter, k=k, sampling=SamplingParams(0), rule=parse_rule(rule),
+                        adaptive=AdaptiveK(start=k, k_max=max(16, 2 * k)) if adaptive else None)
+    out = []
+    for r in generate(TargetState(model), prompt, controls, max_new_tokens=tokens, eos_ids=eos):
+        stats.add(r)
+        out += [t.id for t in r.tokens]
+    return out
+
+
+def run_hf(model, prompt, tokens, eos, **kwargs) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                             eos_token_id=list(eos), **kwargs)
+    return time.perf_counter() - t, out[0, len(prompt):].tolist()
+
+
+def bench_dtype(dtype, args) -> dict:
+    loaded = load_model(None, torch.device("cpu"), dtype)
+    model, tok = loaded.model, loaded.tokenizer
+    eos = {model.generation_config.eos_token_id}
+    drafters, memory = {"off": PlainDecoding()}, {}
+    for mode, opts in (("quant", {}), ("lowrank", {"rank": args.rank}), ("lookup", {})):
+        before, t = rss_bytes(), time.perf_counter()
+        drafters[mode] = build_drafter(mode, model, **opts)
+        memory[mode] = {"rss_growth_mb": (rss_bytes() - before) / 2**20, "build_s": time.perf_counter() - t}
+    k = args.k
+    # name -> (drafter, K, adaptive, rule)
+    chat_configs = {"off": ("off", 1, False, "exact")}
+    for mode in ("quant", "lowrank", "lookup"):
+        chat_configs[f"{mode} K={k}"] = (mode, k, False, "exact")
+        chat_configs[f"{mode} adaptive"] = (mode, k, True, "exact")
+    repeat_configs = {"off": ("off", 1, False, "exact"), f"lookup K={k}": ("lookup", k, False, "exact"),
+                      "lookup K=8": ("lookup", 8, False, "exact"), "lookup adaptive": ("lookup", k, True, "exact")}
+    hf_repeat = {"hf-plain": {}, f"hf-lookup {args.hf_lookup}": {"prompt_lookup_num_tokens": args.hf_lookup}}
+    encode = lambda text: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False))  # noqa: E731
+    workloads = {"chat": ([encode(p) for p in CHAT[: args.prompts]], chat_configs, {}),
+                 "repeat": ([encode(p) for p in REPEAT], repeat_configs, hf_repeat)}
+    # warm-up: first-call costs of every drafter
+    for name, (mode, kk, adaptive, rule) in chat_configs.items():
+        run_loop(model, drafters[mode], workloads["chat"][0][0], kk, 8, eos, Stats(), adaptive, rule)
+    run_hf(model, workloads["chat"][0][0], 4, eos)
+    results = {}
+    for wname, (prompts, configs, hf) in workloads.items():
+        stats = {name: Stats() for name in configs}
+        hf_time = {name: [0.0, 0] for name in hf}
+        mismatches = []
+        for _ in range(args.repeats):
+            for pi, prompt in enumerate(prompts):
+                ref = None
+                for name, (mode, kk, adaptive, rule) in configs.items():
+                    out = run_loop(model, drafters[mode], prompt, kk, args.tokens, eos, stats[name], adaptive, rule)
+                    ref = ref if ref is not None else out
+                    if out != ref:
+                        mismatches.append((name, pi))
+                for name, kw in hf.items():
+                    secs, out = run_hf(model, prompt, args.tokens, eos, **kw)
+                    hf_time[name][0] += secs
+                    hf_time[name][1] += len(out)
+                    if out != ref:
+                        mismatches.append((name, pi))
+        off = stats["off"]
+        plain_ms = 1000 * off.wall_s / off.rounds
+        rows = {}
+        for name, s in stats.items():
+            mode = configs[name][0]
+            rows[name] = {
+                "tokens": s.emitted,
+                "tokens_per_s": s.tokens_per_s,
+                "speedup": s.tokens_per_s / off.tokens_per_s,
+                "acceptance": s.acceptance_rate,
+                "mean_accepted_length": s.mean_accepted_length,
+                "target_calls_per_token": s.target_calls_per_token,
+                "draft_step_cost": (1000 * s.draft_s / s.draft_calls / plain_ms) if s.draft_calls else None,
+                "verify_cost": 1000 * s.verify_s / s.rounds / plain_ms,
+                "mean_k": sum(s.proposed_at) / s.rounds if s.rounds else 0,
+                "extra_mb": getattr(drafters[mode], "extra_bytes", 0) / 2**20,
+            }
+        for name, (secs, count) in hf_time.items():
+            rows[name] = {"tokens": count, "tokens_per_s": count / secs, "speedup": count / secs / off.tokens_per_s}
+        results[wname] = {"rows": rows, "plain_step_ms": plain_ms, "greedy_mismatches": mismatches}
+    return {"memory": memory, **results}
+
+
+def fmt(v, digits=3):
+    return "-" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--rank", type=float, default=None, help="lowrank rank (default: tuned or built-in)")
+    ap.add_argument("--hf-lookup", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+            "torch": torch.__version__, "tokens": args.tokens, "k": args.k, "greedy": True}
+    out = {"meta": meta}
+    for name in args.dtypes.split(","):
+        out[name] = bench_dtype(getattr(torch, name), args)
+        for wname in ("chat", "repeat"):
+            w = out[name][wname]
+            print(f"\n## {name} / {wname}  (plain step {w['plain_step_ms']:.1f} ms; greedy mismatches: {w['greedy_mismatches'] or 'none'})")
+            print("| config | tok/s | speedup | acceptance | mean accepted len | target calls/token | draft step cost | verify cost | mean K | extra MB |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            for cname, r in w["rows"].items():
+                print(f"| {cname} | {fmt(r['tokens_per_s'])} | {fmt(r['speedup'])} | {fmt(r.get('acceptance'))} | "
+                      f"{fmt(r.get('mean_accepted_length'))} | {fmt(r.get('target_calls_per_token'))} | {fmt(r.get('draft_step_cost'))} | "
+                      f"{fmt(r.get('verify_cost'))} | {fmt(r.get('mean_k'))} | {fmt(r.get('extra_mb'))} |")
+        print("memory at build:", json.dumps(out[name]["memory"]))
+    print("\n", json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
