@@ -23,8 +23,9 @@ from specchat.decoding.tuned import load_tuned
 
 
 def builtin_exit(n_layers: int) -> int:
-    """Without a tuned E: stop ~1/8 from the end (on SmolLM2 agreement falls fast as E drops)."""
-    return max(1, n_layers - max(1, n_layers // 8))
+    """Without a tuned E: all but the last layer. On SmolLM2-135M (not trained for early exit) agreement is
+    0.61 at E=29 of 30 and falls fast below it; tune picked 29."""
+    return max(1, n_layers - 1)
 
 
 class EarlyExitDrafter:

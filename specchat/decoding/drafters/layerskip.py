@@ -18,11 +18,11 @@ from specchat.decoding.tuned import load_tuned
 
 
 def builtin_skip(n_layers: int) -> list[int]:
-    """Without a tuned set: two adjacent layers at ~2/3 depth, where SmolLM2 kept ~0.88 greedy agreement."""
+    """Without a tuned set: one layer a little past the middle (SmolLM2-135M: layer 17 of 30, tune's best,
+    greedy agreement 0.89; skipping more layers there costs more acceptance than it saves)."""
     if n_layers < 3:
         return []
-    mid = (2 * n_layers) // 3
-    return sorted({min(mid, n_layers - 2), min(mid + 1, n_layers - 2)})
+    return [min(n_layers - 2, (4 * n_layers) // 7)]
 
 
 def check_skip(skip: list[int], n_layers: int) -> list[int]:
