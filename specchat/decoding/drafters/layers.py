@@ -45,27 +45,27 @@ class Decoder:
 
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D] hidden states."""
-        return self.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))
+        return self.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.embed_tokens.weight.device))
 
-    def mask(self, q_len: int, past: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def mask(self, q_len: int, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """Additive causal mask [1, 1, S, past + S] for a chunk starting after `past` cached positions.
 
         None for a single query: it attends to everything (and SDPA takes its fast path).
         """
         if q_len == 1:
             return None
-        q_pos = torch.arange(past, past + q_len, device=self.device)[:, None]  # [S, 1]
-        k_pos = torch.arange(past + q_len, device=self.device)[None, :]  # [1, past + S]
-        mask = torch.zeros(q_len, past + q_len, dtype=dtype, device=self.device)
+        q_pos = torch.arange(past, past + q_len, device=device)[:, None]  # [S, 1]
+        k_pos = torch.arange(past + q_len, device=device)[None, :]  # [1, past + S]
+        mask = torch.zeros(q_len, past + q_len, dtype=dtype, device=device)
         return mask.masked_fill(k_pos > q_pos, torch.finfo(dtype).min)[None, None]
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache, past: int) -> torch.Tensor:
         """[1, S, D] -> [1, S, D] through `layer_ids`, whose cache layers hold `past` positions each."""
         q_len = hidden.shape[1]
-        position_ids = torch.arange(past, past + q_len, device=self.device)[None]  # [1, S]
+        position_ids = torch.arange(past, past + q_len, device=hidden.device)[None]  # [1, S]
         rope = self.rotary_emb(hidden, position_ids=position_ids)  # (cos, sin), each [1, S, head_dim]
-        mask = self.mask(q_len, past, hidden.dtype)
+        mask = self.mask(q_len, past, hidden.dtype, hidden.device)
         for i in layer_ids:
             hidden = self.layers[i](
                 hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope, cache=cache, use_cache=True
