@@ -64,8 +64,7 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert data["settings"]["draft_lens"] == [2] and data["settings"]["temperatures"] == [0.0, 0.7]
     labels = {c["config"] for c in data["configs"]}
     assert labels == {"off T=0", "draft K=2 T=0", "off T=0.7", "draft K=2 T=0.7", "hf-generate T=0", "hf-assisted K=2 T=0",
-                      "hf-lookup K=2 T=0", "hf-earlyexit K=2 T=0", "hf-generate T=0.7", "hf-assisted K=2 T=0.7",
-                      "hf-lookup K=2 T=0.7", "hf-earlyexit K=2 T=0.7"}
+                      "hf-generate T=0.7", "hf-assisted K=2 T=0.7"}
     for row in data["configs"]:
         assert CONFIG_FIELDS <= row.keys(), row["config"]
         if not row["peer"]:
@@ -75,13 +74,12 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert draft["predicted_speedup"] > 0 and draft["acceptance_rate"] is not None
     assert next(c for c in data["configs"] if c["config"] == "off T=0")["speedup"] == 1.0
 
-    assert len(data["runs"]) == 12 * 2  # every configuration on every prompt, once
+    assert len(data["runs"]) == 8 * 2  # every configuration on every prompt, once
     for run in data["runs"]:
         assert RUN_FIELDS <= run.keys()
     pairs = {p["peer"]: p for p in data["peers"]}
     assert pairs["hf-generate T=0"]["specchat"] == "off T=0" and pairs["hf-generate T=0"]["ratio"] > 0
     assert pairs["hf-assisted K=2 T=0"]["specchat"] == "draft K=2 T=0"
-    assert pairs["hf-lookup K=2 T=0"]["specchat"] is None  # lookup was not requested
 
     checks = data["checks"]
     assert checks["greedy_identity"] == []  # the draft is the target itself: exact, so identical
@@ -129,6 +127,14 @@ def test_bench_predict_uses_measured_costs():
     expected = (1 - 0.5**5) / 0.5 / (4 * 0.1 + 1.3)
     assert out["predicted_speedup"] == pytest.approx(expected)
     assert out["measured_over_predicted"] == pytest.approx(1.0 / expected)
+
+
+def test_peers_follow_the_requested_modes():
+    configs = runner.build_configs(["off", "lookup", "earlyexit", "layerskip"], [2, 4], [0.0], ["exact"], peers=True)
+    labels = [c.label for c in configs]
+    assert "hf-generate T=0" in labels and "hf-lookup K=4 T=0" in labels and "hf-earlyexit K=2 T=0" in labels
+    assert not any(c.mode == "hf-assisted" for c in configs)  # no draft mode requested
+    assert len(configs) == 2 + 3 * 2 + 2 * 2  # off + hf-generate, 3 modes x 2 K, 2 peers x 2 K
 
 
 def test_paired_ratio_and_greedy_identity_failure():

@@ -80,16 +80,19 @@ def read_prompts(spec: str) -> list[dict]:
 
 
 class Steps:
-    """A Rich progress bar on stderr; each call starts the next step."""
+    """A Rich progress bar on stderr; each call starts the next step. Without a terminal (a log file),
+    one plain line per step instead, so a long background run still shows where it is."""
 
     def __init__(self, progress, total: int) -> None:
-        self.progress, self.task, self.started = progress, progress.add_task("", total=total), False
+        self.progress, self.task, self.done, self.total = progress, progress.add_task("", total=total), 0, total
 
     def __call__(self, message: str) -> None:
-        if self.started:
+        if self.done:
             self.progress.advance(self.task)
-        self.started = True
+        self.done += 1
         self.progress.update(self.task, description=message)
+        if not self.progress.console.is_terminal:
+            self.progress.console.print(f"[{self.done}/{self.total}] {message}", highlight=False)
 
 
 @click.command()
@@ -101,14 +104,15 @@ class Steps:
 @click.option("--prompts", "prompts_spec", default="builtin", show_default=True, metavar="builtin|FILE.jsonl")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Passes over the prompts.")
-@click.option("--peers", is_flag=True, help="Also run HF transformers' generate(): plain, assisted, prompt lookup, early exit.")
+@click.option("--peers", is_flag=True, help="Also run HF transformers' own implementation of each requested mode: generate() for off, assistant_model for draft, prompt_lookup_num_tokens for lookup, assistant_early_exit for earlyexit.")
 @click.option("--verify-samples", type=int, default=100, show_default=True, help="Samples per side of the distribution test for sampled exact modes (0 skips; else >= 20).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's choice). Fewer than cores can be faster on a shared machine.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True)
 @click.option("--skip-layers", metavar="LIST", help="layerskip: layers to skip.")
 @click.option("--exit-layer", type=click.IntRange(min=1), default=None, help="earlyexit (and the HF early-exit peer): layers run by the draft pass.")
 @click.option("--rank", metavar="R", default=None, help="lowrank: rank as a fraction (0.25) or an integer.")
-def bench(modes, draft_lens, temperatures, accepts, prompts_spec, max_new_tokens, repeat, peers, verify_samples, seed, out_dir, **opts):
+def bench(modes, draft_lens, temperatures, accepts, prompts_spec, max_new_tokens, repeat, peers, verify_samples, seed, threads, out_dir, **opts):
     """Measure every mode against plain decoding on the same prompts, with quality checks."""
     from specchat.decoding.acceptance import parse_rule
 
@@ -137,6 +141,10 @@ def bench(modes, draft_lens, temperatures, accepts, prompts_spec, max_new_tokens
     from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     console = Console(stderr=True)
     with user_errors():
         device = pick_device(opts["device"])
@@ -178,7 +186,7 @@ def bench(modes, draft_lens, temperatures, accepts, prompts_spec, max_new_tokens
     if target.tokenizer.eos_token_id is not None:
         eos_ids.add(target.tokenizer.eos_token_id)
     ctx = runner.Context(target, draft, device, drafters, eos_ids, max_new_tokens, seed, opts["exit_layer"])
-    configs = runner.build_configs([m for m in mode_list if m in drafters], ks, temps, rules, peers=peers, has_draft=draft is not None)
+    configs = runner.build_configs([m for m in mode_list if m in drafters], ks, temps, rules, peers=peers)
     n_verify = len({(c.mode, c.temperature) for c in configs if not c.is_peer and c.mode != "off" and c.temperature > 0 and c.exact})
     total = len(configs) * (1 + len(prompts) * repeat) + (n_verify if verify_samples else 0)
 

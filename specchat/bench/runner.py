@@ -74,8 +74,9 @@ class Context:
     stats: dict = field(default_factory=dict)  # config label -> Stats over all its measured generations
 
 
-def build_configs(modes, ks, temperatures, accepts, *, peers: bool, has_draft: bool) -> list[Config]:
-    """Plain decoding once per temperature, every other mode for every K and rule; peers when asked."""
+def build_configs(modes, ks, temperatures, accepts, *, peers: bool) -> list[Config]:
+    """Plain decoding once per temperature, every other mode for every K and rule; with `peers`, the HF
+    implementation of each requested mode that has one (PEER_OF), at the same K and temperature."""
     configs = []
     for t in temperatures:
         configs.append(Config("off", 0, t))
@@ -88,9 +89,7 @@ def build_configs(modes, ks, temperatures, accepts, *, peers: bool, has_draft: b
                 configs += [Config(mode, k, t, a) for a in accepts]
         if peers:
             for k in ks:
-                if has_draft:
-                    configs.append(Config("hf-assisted", k, t))
-                configs += [Config("hf-lookup", k, t), Config("hf-earlyexit", k, t)]
+                configs += [Config(PEER_OF[m], k, t) for m in modes if m != "off" and m in PEER_OF]
     return configs
 
 
