@@ -33,28 +33,30 @@ def _shared_copy(model):
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a dynamic-quantised linear: packed int8 weight + bias (+ per-tensor scale, negligible)."""
+    """Bytes of a dynamic-quantised linear: int8 weight, one float scale and zero point per output row, bias."""
     weight, bias = module._packed_params._weight_bias()
-    return weight.numel() * weight.element_size() + (bias.numel() * bias.element_size() if bias is not None else 0)
+    return weight.numel() + weight.shape[0] * 16 + (bias.numel() * bias.element_size() if bias is not None else 0)
 
 
 @torch.no_grad()
 def torch_ao_int8_copy(model):
-    """(draft, extra bytes): every Linear as torch.ao dynamic int8; float32 activations throughout."""
-    from torch.ao.quantization import quantize_dynamic
+    """(draft, extra bytes): every Linear as torch.ao dynamic int8 (per-channel weight scales); float32 activations."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     draft = _shared_copy(model)
     extra = 0
     for name, linear in _linears(draft):
-        fp32 = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        with torch.no_grad():
-            fp32.weight.copy_(linear.weight)  # a float32 view of one layer at a time, never of the whole model
-            if linear.bias is not None:
-                fp32.bias.copy_(linear.bias)
+        # a float32 stand-in for one layer at a time (the target's own tensor when it is float32: no copy)
+        fp32 = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        fp32.weight = torch.nn.Parameter(linear.weight.float(), requires_grad=False)
+        if linear.bias is not None:
+            fp32.bias = torch.nn.Parameter(linear.bias.float(), requires_grad=False)
         with warnings.catch_warnings():  # torch.ao's deprecation notices: the choice is explained above
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", UserWarning)
-            qlinear = quantize_dynamic(torch.nn.Sequential(fp32), {torch.nn.Linear}, dtype=torch.qint8)[0]
+            qlinear = quantize_dynamic(
+                torch.nn.Sequential(fp32), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+            )[0]
         parent, _, attr = name.rpartition(".")
         setattr(draft.get_submodule(parent) if parent else draft, attr, qlinear)
         extra += _module_bytes(qlinear)
