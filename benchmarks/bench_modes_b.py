@@ -77,28 +77,33 @@ def bench_dtype(dtype, args) -> dict:
     model, tok = loaded.model, loaded.tokenizer
     eos = {model.generation_config.eos_token_id}
     drafters, memory = {"off": PlainDecoding()}, {}
-    for mode, opts in (("quant", {}), ("lowrank", {"rank": args.rank}), ("lookup", {})):
+    for key, mode, opts in (("quant", "quant", {}), ("lowrank", "lowrank", {"rank": args.rank}), ("lookup", "lookup", {}),
+                            ("lookup-min2", "lookup", {"min_ngram": 2})):
         before, t = rss_bytes(), time.perf_counter()
-        drafters[mode] = build_drafter(mode, model, **opts)
-        memory[mode] = {"rss_growth_mb": (rss_bytes() - before) / 2**20, "build_s": time.perf_counter() - t}
+        drafters[key] = build_drafter(mode, model, **opts)
+        memory[key] = {"rss_growth_mb": (rss_bytes() - before) / 2**20, "build_s": time.perf_counter() - t,
+                       "weight_mb": getattr(drafters[key], "weight_bytes", 0) / 2**20}
     k = args.k
     # name -> (drafter, K, adaptive, rule)
     chat_configs = {"off": ("off", 1, False, "exact")}
-    for mode in ("quant", "lowrank", "lookup"):
+    for mode in ("quant", "lowrank", "lookup", "lookup-min2"):
         chat_configs[f"{mode} K={k}"] = (mode, k, False, "exact")
+    for mode in ("quant", "lookup"):
         chat_configs[f"{mode} adaptive"] = (mode, k, True, "exact")
+    chat_configs[f"quant K={k} approx:0.5"] = ("quant", k, False, "approx:0.5")  # greedy: same text, same speed
     repeat_configs = {"off": ("off", 1, False, "exact"), f"lookup K={k}": ("lookup", k, False, "exact"),
-                      "lookup K=8": ("lookup", 8, False, "exact"), "lookup adaptive": ("lookup", k, True, "exact")}
+                      f"lookup-min2 K={k}": ("lookup-min2", k, False, "exact"), "lookup K=8": ("lookup", 8, False, "exact"),
+                      "lookup adaptive": ("lookup", k, True, "exact")}
     hf_repeat = {"hf-plain": {}, f"hf-lookup {args.hf_lookup}": {"prompt_lookup_num_tokens": args.hf_lookup}}
     encode = lambda text: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False))  # noqa: E731
-    workloads = {"chat": ([encode(p) for p in CHAT[: args.prompts]], chat_configs, {}),
-                 "repeat": ([encode(p) for p in REPEAT], repeat_configs, hf_repeat)}
+    workloads = {"chat": ([encode(p) for p in CHAT[: args.prompts]], chat_configs, {}, args.tokens),
+                 "repeat": ([encode(p) for p in REPEAT], repeat_configs, hf_repeat, args.repeat_tokens)}
     # warm-up: first-call costs of every drafter
     for name, (mode, kk, adaptive, rule) in chat_configs.items():
         run_loop(model, drafters[mode], workloads["chat"][0][0], kk, 8, eos, Stats(), adaptive, rule)
     run_hf(model, workloads["chat"][0][0], 4, eos)
     results = {}
-    for wname, (prompts, configs, hf) in workloads.items():
+    for wname, (prompts, configs, hf, tokens) in workloads.items():
         stats = {name: Stats() for name in configs}
         hf_time = {name: [0.0, 0] for name in hf}
         mismatches = []
@@ -106,12 +111,12 @@ def bench_dtype(dtype, args) -> dict:
             for pi, prompt in enumerate(prompts):
                 ref = None
                 for name, (mode, kk, adaptive, rule) in configs.items():
-                    out = run_loop(model, drafters[mode], prompt, kk, args.tokens, eos, stats[name], adaptive, rule)
+                    out = run_loop(model, drafters[mode], prompt, kk, tokens, eos, stats[name], adaptive, rule)
                     ref = ref if ref is not None else out
                     if out != ref:
                         mismatches.append((name, pi))
                 for name, kw in hf.items():
-                    secs, out = run_hf(model, prompt, args.tokens, eos, **kw)
+                    secs, out = run_hf(model, prompt, tokens, eos, **kw)
                     hf_time[name][0] += secs
                     hf_time[name][1] += len(out)
                     if out != ref:
@@ -135,7 +140,7 @@ def bench_dtype(dtype, args) -> dict:
             }
         for name, (secs, count) in hf_time.items():
             rows[name] = {"tokens": count, "tokens_per_s": count / secs, "speedup": count / secs / off.tokens_per_s}
-        results[wname] = {"rows": rows, "plain_step_ms": plain_ms, "greedy_mismatches": mismatches}
+        results[wname] = {"rows": rows, "plain_step_ms": plain_ms, "greedy_mismatches": mismatches, "tokens": tokens}
     return {"memory": memory, **results}
 
 
@@ -147,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeat-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("-k", type=int, default=4)
@@ -155,7 +161,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-            "torch": torch.__version__, "tokens": args.tokens, "k": args.k, "greedy": True}
+            "torch": torch.__version__, "tokens": args.tokens, "repeat_tokens": args.repeat_tokens, "k": args.k, "greedy": True}
     out = {"meta": meta}
     for name in args.dtypes.split(","):
         out[name] = bench_dtype(getattr(torch, name), args)
