@@ -59,7 +59,7 @@ def test_verify_without_a_matching_proposal_falls_back(deep_target):
 @pytest.mark.parametrize("case", ["topp0.8"])
 def test_sampled_output_matches_target_distribution(rough_target, case):
     params = SAMPLING_CASES[case]
-    counts = sample_joint(rough_target, build_drafter("earlyexit", rough_target, exit_layer=2), params, k=3, draws=2000, length=2)
+    counts = sample_joint(rough_target, build_drafter("earlyexit", rough_target, exit_layer=2), params, k=3, draws=1500, length=2)
     result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
     assert result.passed(ALPHA), result
 
@@ -107,7 +107,7 @@ def test_switching_modes_keeps_the_distribution(rough_target):
     params = SamplingParams(1.0)
     drafters = [build_drafter("earlyexit", rough_target, exit_layer=2), build_drafter("layerskip", rough_target, skip_layers=[2])]
     counts = Counter()
-    for seed in range(400):
+    for seed in range(300):
         out, _ = switching(rough_target, drafters[seed % 2 :] + drafters[: seed % 2], params, 3, seed=seed)
         counts[tuple(out[:2])] += 1
     assert goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
