@@ -55,6 +55,7 @@ class Session:
         self._drafters: dict[str, Drafter] = {}
         self.controls = Controls(self.drafter(mode), k=k, sampling=sampling)
         self.messages: list[dict] = []
+        self._history: tuple[list[dict], list[int]] | None = None  # messages so far and the exact ids they ran as
         self.turns: list[Turn] = []
         self.stats: dict[str, Stats] = {}  # per mode
         self.total = Stats()
@@ -92,11 +93,33 @@ class Session:
 
     def check_message(self, text: str) -> None:
         """Raise PromptTooLong now if `text` as the next user turn would not fit (reply() checks lazily)."""
-        self.check_fits(self.chat_prompt([*self.messages, {"role": "user", "content": text}]))
+        self.check_fits(self.prompt_for([*self.messages, {"role": "user", "content": text}]))
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, for showing rejected drafts and top alternatives."""
         return self.target.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_for(self, messages: list[dict]) -> list[int]:
+        """Token ids for the next turn: the conversation's exact ids so far plus the new part, when possible.
+
+        Re-tokenising the whole conversation would not always give back the ids the model generated
+        (BPE does not round-trip), and every token after the first difference would be prefilled
+        again; continuing the exact ids keeps the whole cached prefix reusable.
+        """
+        ids = self._continue_conversation(messages)
+        return ids if ids is not None else self.chat_prompt(messages)
+
+    def _continue_conversation(self, messages: list[dict]) -> list[int] | None:
+        if self._history is None or messages[:-1] != self._history[0]:
+            return None
+        tokenizer, done = self.target.tokenizer, self._history[1]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        done_text = tokenizer.decode(done, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not text.startswith(done_text):
+            return None  # the template rewrites earlier turns (e.g. strips them): use the plain re-tokenisation
+        ids = done + list(tokenizer(text[len(done_text):], add_special_tokens=False)["input_ids"])
+        same = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
+        return ids if same else None
 
     def check_fits(self, prompt: list[int]) -> None:
         limit = self.state.context_len
@@ -107,7 +130,7 @@ class Session:
     def reply(self, text: str) -> Iterator[RoundRecord]:
         """One chat turn. The turn is recorded even if the caller stops early (Esc): nothing is lost."""
         messages = [*self.messages, {"role": "user", "content": text}]
-        prompt = self.chat_prompt(messages)
+        prompt = self.prompt_for(messages)
         self.check_fits(prompt)
         self.messages = messages
         turn = Turn(user=text, prompt_tokens=len(prompt))
@@ -116,6 +139,7 @@ class Session:
             yield from self._run(prompt, turn)
         finally:
             self.messages.append({"role": "assistant", "content": turn.reply})
+            self._history = (list(self.messages), prompt + turn.reply_ids)
 
     def complete(self, prompt: list[int]) -> Iterator[RoundRecord]:
         """One generation from explicit prompt ids (no chat template)."""

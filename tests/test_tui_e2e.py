@@ -71,3 +71,20 @@ async def test_chat_with_the_default_model(default_model, tmp_path):
     assert data["summary"]["total"]["new_tokens"] == sum(len(t.reply_ids) for t in session.turns)
     # the second prompt holds the whole conversation (chat template over every turn)
     assert data["turns"][1]["prompt_tokens"] > data["turns"][0]["prompt_tokens"]
+
+
+def test_next_turn_continues_the_exact_ids_so_the_whole_cache_is_reused(default_model):
+    from specchat.decoding.cache import common_prefix
+    from specchat.session import Session
+
+    session = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=10)
+    list(session.reply("Name three fruits."))
+    cached = list(session.state.tokens)  # prompt 1 + reply 1, exactly as generated
+    messages = [*session.messages, {"role": "user", "content": "And three vegetables?"}]
+    prompt = session.prompt_for(messages)
+    assert prompt[: len(cached)] == cached  # nothing the cache holds is encoded again
+    text = default_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert default_model.tokenizer.decode(prompt, skip_special_tokens=False) == text  # and it is the same conversation
+    list(session.reply("And three vegetables?"))
+    assert common_prefix(cached, session.state.tokens) == len(cached)
+    assert session.turns[1].prompt_tokens == len(prompt)

@@ -48,6 +48,7 @@ class FakeSession(Session):
         self.slow_modes, self.build_gate = set(slow_modes), threading.Event()  # slow drafters wait for build_gate
         self.controls = Controls(self.drafter(mode), k=k, sampling=SamplingParams(temperature=0.0))
         self.messages, self.turns, self.stats, self.total = [], [], {}, Stats()
+        self._history = None
         self.lock = threading.Lock()
         self.script = list(reply)
         self.gate = threading.Semaphore(0) if gated else None
@@ -63,6 +64,9 @@ class FakeSession(Session):
 
     def chat_prompt(self, messages):
         return [1] * sum(3 + len(m["content"].split()) for m in messages)
+
+    def _continue_conversation(self, messages):
+        return None  # no tokenizer: always the plain chat_prompt
 
     def token_text(self, token_id):
         return VOCAB[token_id]
