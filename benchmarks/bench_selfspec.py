@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("-k", type=int, default=None, help="draft length for both modes (default: tuned, else 4)")
     p.add_argument("--skip-layers", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--exit-layer", type=int, default=None)
-    p.add_argument("--more-k", type=lambda s: [int(x) for x in s.split(",")], default=[3], help="extra draft lengths to run")
+    p.add_argument("--more-k", type=lambda s: [int(x) for x in s.split(",") if x], default=[3], help="extra draft lengths to run ('' for none)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate and assistant_early_exit")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()

@@ -24,7 +24,7 @@ def test_greedy_matches_hf_generate(deep_target, skip, k):
 
 
 def test_draft_cache_stays_in_sync(deep_target):
-    """After each propose the draft cache covers the accepted tokens plus the drafts it fed itself."""
+    """The draft cache covers what it fed itself; the target cache (filled by this drafter's verify) holds tokens[:-1]."""
     drafter = LayerSkipDrafter.build(deep_target, skip_layers=[1])
     state = TargetState(deep_target)
     controls = Controls(drafter, k=4, sampling=SamplingParams(1.0))
@@ -32,6 +32,7 @@ def test_draft_cache_stays_in_sync(deep_target):
     for _ in generate(state, PROMPT, controls, max_new_tokens=30, eos_ids=set(), generator=gen):
         assert drafter.cache.layers[0].get_seq_length() == len(drafter.cached)
         assert drafter.cache.layers[1].get_seq_length() == 0  # the skipped layer never gets entries
+        assert {layer.get_seq_length() for layer in state.cache.layers} == {len(state.tokens) - 1}  # its verify's cache
     assert drafter.extra_bytes > 0
 
 

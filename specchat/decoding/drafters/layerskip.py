@@ -4,6 +4,10 @@ The draft pass keeps its own KV cache: once a layer is skipped, every later laye
 residual stream than in the full model, so its keys and values differ from the target's and must
 not be mixed into the target cache (DESIGN.md section 3, pitfall 7). Skipped layers' cache slots
 stay empty. Extra memory: that cache (K/V of the kept layers), no weights.
+
+The verify runs all layers through the same layer loop as the draft (`verify` below): the same
+modules and arithmetic as HF's forward, without its per-call mask and output bookkeeping
+(measured ~1.2x cheaper per step in fp32 on this CPU; see benchmarks/RESULTS-selfspec.md).
 """
 
 from __future__ import annotations
@@ -77,3 +81,8 @@ class LayerSkipDrafter:
             qs.append(q)
             feed = [token]
         return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls=k)  # [K], [K, V]
+
+    def verify(self, state, draft_ids: list[int]) -> torch.Tensor:
+        """Target logits [K+1, V] for the pending token and the drafts: every layer, the target's cache."""
+        ids = [state.tokens[-1], *draft_ids]
+        return self.decoder.forward(ids, range(self.decoder.n_layers), state.cache, len(state.tokens) - 1, keep=len(ids))
