@@ -248,7 +248,7 @@ async def test_mode_switch_mid_reply_takes_effect_next_round():
         kinds = [t.kind for t in app.query_one(ReplyView).tokens]
         assert kinds[-1] == "target" and "accepted" in kinds
         assert session.turns[0].reply == "".join(VOCAB[i] for i in REPLY)  # one reply, whatever the modes
-        assert "off (session)" in panel_text(app)
+        assert "off all" in panel_text(app)
 
 
 @pytest.mark.asyncio

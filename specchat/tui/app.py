@@ -112,7 +112,7 @@ class SpecChatApp(App):
     CSS = """
     #main { height: 1fr; }
     #chat { width: 1fr; }
-    #side { width: 40%; min-width: 34; max-width: 52; border-left: solid $panel-lighten-2; }
+    #side { width: 40%; min-width: 36; max-width: 52; border-left: solid $panel-lighten-2; }
     #prompt { margin: 0 1; }
     """
     BINDINGS = [

@@ -301,18 +301,19 @@ def spark(values: list[float]) -> str:
 
 
 def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
-    table = Table(box=None, padding=(0, 1), expand=True, show_edge=False)
-    table.add_column("", style="dim", no_wrap=True)
-    table.add_column("reply", justify="right", no_wrap=True)
-    table.add_column(f"{mode} (session)", justify="right", no_wrap=True)
+    """This reply next to the whole session in the current mode (statistics are kept per mode)."""
+    table = Table(box=None, padding=(0, 0, 0, 1), expand=True, show_edge=False)
+    table.add_column("", style="dim", no_wrap=True, overflow="ellipsis")
+    table.add_column("reply", justify="right", no_wrap=True, min_width=6)
+    table.add_column(f"{mode} all", justify="right", no_wrap=True, overflow="ellipsis", min_width=6)
     rows = [
         ("acceptance", lambda s: pct(s.acceptance_rate)),
-        ("mean accepted len", lambda s: fmt(s.mean_accepted_length)),
+        ("mean acc. length", lambda s: fmt(s.mean_accepted_length)),
         ("target calls/tok", lambda s: fmt(s.target_calls_per_token)),
         ("draft calls/tok", lambda s: fmt(s.draft_calls_per_token)),
         ("tokens/s", lambda s: fmt(s.tokens_per_s, ".1f")),
         ("ms/token", lambda s: fmt(s.ms_per_token, ".1f")),
-        ("first token ms", lambda s: fmt(s.time_to_first_token_s and 1000 * s.time_to_first_token_s, ".0f")),
+        ("1st token ms", lambda s: fmt(s.time_to_first_token_s and 1000 * s.time_to_first_token_s, ".0f")),
         ("draft ms/round", lambda s: fmt(s.draft_ms_per_round, ".1f")),
         ("verify ms/round", lambda s: fmt(s.verify_ms_per_round, ".1f")),
         ("tokens", lambda s: str(s.emitted)),
@@ -364,7 +365,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
     """Live statistics, redrawn once per round from the session's per-mode Stats and this reply's."""
 
     DEFAULT_CSS = """
-    StatsPanel { height: 1fr; padding: 0 1; overflow-x: hidden; }
+    StatsPanel { height: 1fr; padding: 0 0 0 1; overflow-x: hidden; scrollbar-gutter: stable; scrollbar-size-vertical: 1; }
     StatsPanel > .section { color: $primary; text-style: bold; margin-top: 1; }
     StatsPanel > #mode-line { margin-top: 0; }
     StatsPanel > #spark { margin-top: 1; }
