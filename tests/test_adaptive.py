@@ -57,7 +57,7 @@ def test_adaptive_sampling_matches_target_distribution(tiny_target, tiny_draft):
     from specchat.verify import sample_continuations
 
     controls = Controls(ModelDrafter(tiny_draft), k=2, sampling=params, adaptive=controls_k)
-    counts = sample_continuations(TargetState(tiny_target), PROMPT, controls, draws=1500, length=3, eos_ids=set(),
+    counts = sample_continuations(TargetState(tiny_target), PROMPT, controls, draws=1000, length=3, eos_ids=set(),
                                   generator=torch.Generator().manual_seed(0))
     result = goodness_of_fit(counts, exact_joint(tiny_target, PROMPT, params, 3))
     assert result.passed(ALPHA), result
@@ -95,3 +95,35 @@ def test_cli_adaptive_flag(tmp_path):
     assert fixed.exit_code == 0 and adaptive.exit_code == 0, adaptive.output
     ids = lambda r: [json.loads(x)["id"] for x in r.stdout.splitlines()[:-1]]  # noqa: E731
     assert ids(fixed) == ids(adaptive)  # greedy: the schedule changes speed, never the text
+
+
+def test_confidence_stop_drafts_less_and_keeps_greedy_identity(deep):
+    """p-min: the quant draft stops when unsure; fewer drafts, the same greedy text."""
+    prompt = [3, 1, 4, 1, 5]
+    drafter = build_drafter("quant", deep)
+    drafted = {}
+    for p_min in (0.0, 0.5):
+        controls = Controls(drafter, k=4, sampling=SamplingParams(0), adaptive=AdaptiveK(start=4, p_min=p_min))
+        records = list(generate(TargetState(deep), prompt, controls, max_new_tokens=40, eos_ids=set()))
+        assert [t.id for r in records for t in r.tokens] == hf_greedy(deep, prompt, 40)
+        drafted[p_min] = sum(r.drafted for r in records) / sum(r.draft_len for r in records)
+    assert drafted[0.5] < drafted[0.0]
+    assert drafter.p_min == 0.5
+    list(generate(TargetState(deep), prompt, Controls(drafter, k=4, sampling=SamplingParams(0)), max_new_tokens=4, eos_ids=set()))
+    assert drafter.p_min == 0.0  # without --adaptive the stop is off again
+
+
+def test_confidence_stop_keeps_the_distribution():
+    """Sampled drafts with p-min: whether position 2 is drafted depends on the token drawn at position 1."""
+    target = tiny_llama(seed=0, layers=4, initializer_range=0.1).requires_grad_(False)
+    params = SamplingParams(1.0)
+    from specchat.verify import sample_continuations
+
+    drafter = build_drafter("lowrank", target, rank=2, calibration=16)
+    controls = Controls(drafter, k=3, sampling=params, adaptive=AdaptiveK(start=3, p_min=0.4))
+    records = []
+    counts = sample_continuations(TargetState(target), PROMPT, controls, draws=1000, length=3, eos_ids=set(),
+                                  generator=torch.Generator().manual_seed(1), stats=type("S", (), {"add": staticmethod(records.append)}))
+    assert 0 < sum(r.drafted for r in records) < sum(r.draft_len for r in records)  # the stop fired, not always
+    result = goodness_of_fit(counts, exact_joint(target, PROMPT, params, 3))
+    assert result.passed(ALPHA), result

@@ -57,10 +57,14 @@ class TargetState:
 
 class AdaptiveK:
     """HF's heuristic draft-length schedule, kept per mode: K += 2 after a fully accepted block, K -= 1
-    after a rejection, within [k_min, k_max]. Long blocks where the draft agrees, short where it does not."""
+    after a rejection, within [k_min, k_max]. Long blocks where the draft agrees, short where it does not.
 
-    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 16) -> None:
-        self.start, self.k_min, self.k_max = start, k_min, k_max
+    `p_min` > 0 also stops a model draft early when its top probability falls below it (llama.cpp's
+    p-min); drafters that support it have a `p_min` attribute, which the loop sets each round.
+    """
+
+    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 16, p_min: float = 0.0) -> None:
+        self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
         self.ks: dict[str, int] = {}  # mode -> current K
 
     def k(self, mode: str) -> int:
@@ -130,6 +134,8 @@ def generate(
     while produced < limit:
         drafter, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
         want = adaptive.k(drafter.name) if adaptive else controls.k
+        if hasattr(drafter, "p_min"):
+            drafter.p_min = adaptive.p_min if adaptive else 0.0
         # never verify past the context window
         room = None if state.context_len is None else state.context_len - len(state.tokens) - 1
         k = max(0, min(want, room if room is not None else want, limit - produced - 1))

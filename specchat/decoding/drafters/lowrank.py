@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.drafters.copydraft import CopyDrafter
 from specchat.decoding.tuned import load_tuned, model_key
 
 FORMAT = 2  # bump when the factorisation changes: old cache files are then ignored
@@ -178,7 +178,7 @@ def low_rank_copy(model, chosen: dict, calibration: int = CALIBRATION_TOKENS):
     return draft.eval(), extra
 
 
-class LowRankDrafter(ModelDrafter):
+class LowRankDrafter(CopyDrafter):
     name = "lowrank"
 
     @classmethod
@@ -207,8 +207,3 @@ class LowRankDrafter(ModelDrafter):
         self.rank, self.n_factored = rank, n_factored
         self.weight_bytes = extra_bytes
 
-    @property
-    def extra_bytes(self) -> int:
-        from specchat.decoding.drafters.layers import cache_bytes
-
-        return self.weight_bytes + cache_bytes(self.cache)

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from specchat.decoding.drafters.model import ModelDrafter
+from specchat.decoding.drafters.copydraft import CopyDrafter
 
 
 def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
@@ -88,7 +88,7 @@ def cpu_int8_engine() -> str | None:
     return next((e for e in ("x86", "fbgemm", "qnnpack") if e in engines), None)
 
 
-class QuantDrafter(ModelDrafter):
+class QuantDrafter(CopyDrafter):
     name = "quant"
 
     @classmethod
@@ -119,8 +119,3 @@ class QuantDrafter(ModelDrafter):
         super().__init__(model)
         self.backend, self.weight_bytes = backend, weight_bytes
 
-    @property
-    def extra_bytes(self) -> int:
-        from specchat.decoding.drafters.layers import cache_bytes
-
-        return self.weight_bytes + cache_bytes(self.cache)
