@@ -1,8 +1,8 @@
 """Self-speculative modes (layerskip, earlyexit) on the default model against plain decoding, interleaved.
 
 For each dtype: every prompt is generated greedily by every configuration in turn (repeated), so the
-load from other processes on this shared machine hits all of them alike; speedups are ratios of
-tokens/s within the run. Configurations:
+load from other processes on this shared machine hits all of them alike (the order rotates every
+prompt); speedups are ratios of tokens/s within the run. Configurations:
   off          plain decoding through HF's forward (the baseline every speedup is relative to)
   off-lean     plain decoding through specchat's layer-by-layer forward (how much of a mode's gain is
                just a leaner forward rather than speculation)
@@ -104,29 +104,32 @@ def bench_dtype(dtype, args) -> dict:
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False)) for p in PROMPTS[: args.prompts]]
     stats = {name: Stats() for name in configs}
     hf = {"hf-plain": [0.0, 0], "hf-earlyexit": [0.0, 0]}
-    mismatches = []
     extra_bytes = {"layerskip": 0, "earlyexit": 0}
     # warm-up (allocator, first-call costs) on a short generation of every configuration
     for name, (drafter, k) in configs.items():
         run_loop(model, drafter, prompts[0], k, 8, eos, Stats())
     run_hf(model, prompts[0], 8)
+    names = list(configs) + (list(hf) if args.hf else [])
+    outputs: dict[tuple[str, int], list[int]] = {}
+    step = 0
     for rep in range(args.repeats):
         for pi, prompt in enumerate(prompts):
-            ref = None
-            for name, (drafter, k) in configs.items():
-                out = run_loop(model, drafter, prompt, k, args.tokens, eos, stats[name])
-                if drafter is layerskip:
-                    extra_bytes["layerskip"] = max(extra_bytes["layerskip"], drafter.extra_bytes)
-                ref = ref or out
-                if out != ref:
-                    mismatches.append((name, pi))
-            if args.hf:
-                for name, kw in (("hf-plain", {}), ("hf-earlyexit", {"assistant_early_exit": earlyexit.exit_layer})):
+            # rotate the order every time, so no configuration always runs in the same slot of the cycle
+            order = names[step % len(names):] + names[: step % len(names)]
+            step += 1
+            for name in order:
+                if name in configs:
+                    drafter, k = configs[name]
+                    out = run_loop(model, drafter, prompt, k, args.tokens, eos, stats[name])
+                    if drafter is layerskip:
+                        extra_bytes["layerskip"] = max(extra_bytes["layerskip"], drafter.extra_bytes)
+                else:
+                    kw = {"assistant_early_exit": earlyexit.exit_layer} if name == "hf-earlyexit" else {}
                     secs, out = run_hf(model, prompt, args.tokens, **kw)
                     hf[name][0] += secs
                     hf[name][1] += len(out)
-                    if out != ref:
-                        mismatches.append((name, pi))
+                outputs[name, pi] = out
+    mismatches = sorted({(name, pi) for (name, pi), out in outputs.items() if out != outputs["off", pi]})
     off = stats["off"]
     plain_step_ms = 1000 * off.wall_s / off.rounds
     rows = {}
