@@ -14,7 +14,8 @@ def fmt(v, digits: int = 3, scale: float = 1.0) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v * scale:.{digits}g}"
+        v *= scale
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.{digits}g}"
     return str(v)
 
 

@@ -72,6 +72,7 @@ class Context:
     seed: int = 0
     exit_layer: int | None = None  # for the hf-earlyexit peer
     stats: dict = field(default_factory=dict)  # config label -> Stats over all its measured generations
+    steady: dict = field(default_factory=dict)  # the same without each generation's first round (draft prefill)
 
 
 def build_configs(modes, ks, temperatures, accepts, *, peers: bool) -> list[Config]:
@@ -156,9 +157,11 @@ def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens
         return run_peer(ctx, cfg, ids, seed, max_new_tokens)
     run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens)
     if max_new_tokens == ctx.max_new_tokens:  # not a warm-up
-        stats = ctx.stats.setdefault(cfg.label, Stats())
+        stats, steady = ctx.stats.setdefault(cfg.label, Stats()), ctx.steady.setdefault(cfg.label, Stats())
         for r in records:
             stats.add(r)
+            if r.index > 0:
+                steady.add(r)
     return run
 
 
@@ -225,7 +228,7 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
                 "acceptance_rate", "mean_accepted_length", "target_calls_per_token", "draft_calls_per_token",
                 "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "rounds")})
             row["overhead_ms_per_round"] = _overhead_ms(ctx.stats.get(cfg.label))
-            row.update(predict(cfg, ctx.stats.get(cfg.label), ctx.stats.get(plain), row["speedup"]))
+            row.update(predict(cfg, ctx.steady.get(cfg.label), ctx.steady.get(plain), row["speedup"]))
         rows.append(row)
     return rows
 
@@ -239,7 +242,11 @@ def _overhead_ms(stats: Stats | None) -> float | None:
 
 def predict(cfg: Config, stats: Stats | None, plain: Stats | None, measured: float | None) -> dict:
     """DESIGN.md section 4: speedup = E[tokens/round] / (K*c + v), with c and v measured in this run
-    relative to one plain target step (mode off's verify time per round, same temperature)."""
+    relative to one plain target step (mode off's verify time per round, same temperature).
+
+    `stats` should leave out each generation's first round: a model drafter encodes the whole prompt
+    there, a one-off cost (it shows in TTFT) that is not the per-step cost the formula means.
+    """
     out = {"plain_step_ms": None, "draft_cost": None, "verify_cost": None, "predicted_speedup": None,
            "measured_over_predicted": None}
     if cfg.mode == "off" or not stats or not plain or not plain.rounds or not stats.rounds:
