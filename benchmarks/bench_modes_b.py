@@ -47,15 +47,21 @@ CODE = '''def total_price(items, tax_rate):
 REPEAT = [f"Here is a Python function:\n\n{CODE}\n\nRewrite it exactly, but rename `subtotal` to `net`. Show the full code."]
 
 
+ADAPTIVE_P_MIN = 0.0
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_loop(model, drafter, prompt, k, tokens, eos, stats: Stats, adaptive=False, rule="exact") -> list[int]:
+def run_loop(model, drafter, prompt, k, tokens, eos, stats: Stats, adaptive=None, rule="exact") -> list[int]:
+    """adaptive: None (fixed K), True (the CLI's --adaptive) or AdaptiveK keyword arguments."""
     drafter.reset()
+    if adaptive is True:
+        adaptive = dict(k_max=max(16, 2 * k), p_min=ADAPTIVE_P_MIN)
     controls = Controls(drafter, k=k, sampling=SamplingParams(0), rule=parse_rule(rule),
-                        adaptive=AdaptiveK(start=k, k_max=max(16, 2 * k)) if adaptive else None)
+                        adaptive=AdaptiveK(start=k, **adaptive) if adaptive else None)
     out = []
     for r in generate(TargetState(model), prompt, controls, max_new_tokens=tokens, eos_ids=eos):
         stats.add(r)
@@ -91,6 +97,11 @@ def bench_dtype(dtype, args) -> dict:
     for mode in ("quant", "lookup"):
         chat_configs[f"{mode} adaptive"] = (mode, k, True, "exact")
     chat_configs[f"quant K={k} approx:0.5"] = ("quant", k, False, "approx:0.5")  # greedy: same text, same speed
+    for p_min in args.p_min:  # llama.cpp-style confidence stop, with a fixed K and with the schedule
+        chat_configs[f"quant K={k} p-min={p_min:g}"] = ("quant", k, dict(k_min=k, k_max=k, p_min=p_min), "exact")
+        chat_configs[f"quant adaptive p-min={p_min:g}"] = ("quant", k, dict(k_max=max(16, 2 * k), p_min=p_min), "exact")
+    if args.only:
+        chat_configs = {n: c for n, c in chat_configs.items() if n == "off" or any(o in n for o in args.only.split(","))}
     repeat_configs = {"off": ("off", 1, False, "exact"), f"lookup K={k}": ("lookup", k, False, "exact"),
                       f"lookup-min2 K={k}": ("lookup-min2", k, False, "exact"), "lookup K=8": ("lookup", 8, False, "exact"),
                       "lookup adaptive": ("lookup", k, True, "exact")}
@@ -104,6 +115,8 @@ def bench_dtype(dtype, args) -> dict:
     run_hf(model, workloads["chat"][0][0], 4, eos)
     results = {}
     for wname, (prompts, configs, hf, tokens) in workloads.items():
+        if wname not in args.workloads.split(","):
+            continue
         stats = {name: Stats() for name in configs}
         hf_time = {name: [0.0, 0] for name in hf}
         mismatches = []
@@ -158,6 +171,9 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--rank", type=float, default=None, help="lowrank rank (default: tuned or built-in)")
     ap.add_argument("--hf-lookup", type=int, default=5)
+    ap.add_argument("--p-min", type=float, nargs="*", default=[])
+    ap.add_argument("--only", default=None, help="comma-separated substrings: keep only these chat configurations (and off)")
+    ap.add_argument("--workloads", default="chat,repeat")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
@@ -165,7 +181,7 @@ def main() -> None:
     out = {"meta": meta}
     for name in args.dtypes.split(","):
         out[name] = bench_dtype(getattr(torch, name), args)
-        for wname in ("chat", "repeat"):
+        for wname in args.workloads.split(","):
             w = out[name][wname]
             print(f"\n## {name} / {wname}  (plain step {w['plain_step_ms']:.1f} ms; greedy mismatches: {w['greedy_mismatches'] or 'none'})")
             print("| config | tok/s | speedup | acceptance | mean accepted len | target calls/token | draft step cost | verify cost | mean K | extra MB |")

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_llama
 from selfspec_helpers import SMOL_PROMPTS, chat_ids, one_thread, rough_target, smol  # noqa: F401  (fixtures)
-from specchat.decoding import SamplingParams
+from specchat.decoding import Controls, SamplingParams, TargetState, generate
 from specchat.decoding.drafters import ModeUnavailable, build_drafter
 from specchat.verify import goodness_of_fit
 from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
@@ -67,7 +67,10 @@ def test_unavailable_without_an_int8_path(monkeypatch):
 @pytest.mark.parametrize("text", SMOL_PROMPTS)
 def test_default_model_greedy_matches_hf_generate(smol, text):
     prompt = chat_ids(smol, text)
-    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
-    out, records = run(smol.model, build_drafter("quant", smol.model), prompt, k=4, params=SamplingParams(0), max_new_tokens=24)
+    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)  # stops at EOS
+    state = TargetState(smol.model)
+    controls = Controls(build_drafter("quant", smol.model), k=4, sampling=SamplingParams(0))
+    records = list(generate(state, prompt, controls, max_new_tokens=24, eos_ids={smol.model.generation_config.eos_token_id}))
+    out = [t.id for r in records for t in r.tokens]
     assert out == ref[0, len(prompt):].tolist()
     assert sum(r.accepted for r in records) / sum(r.drafted for r in records) > 0.3
