@@ -88,3 +88,7 @@ def test_next_turn_continues_the_exact_ids_so_the_whole_cache_is_reused(default_
     list(session.reply("And three vegetables?"))
     assert common_prefix(cached, session.state.tokens) == len(cached)
     assert session.turns[1].prompt_tokens == len(prompt)
+    # reusing the cache changes nothing: a fresh session given the same ids replies the same
+    fresh = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=10)
+    list(fresh.complete(prompt))
+    assert fresh.turns[0].reply_ids == session.turns[1].reply_ids
