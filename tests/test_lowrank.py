@@ -78,14 +78,13 @@ def test_factors_are_cached_on_disk_per_rank(rough_target, cache_dir, monkeypatc
     assert len(list(cache_dir.rglob("*.safetensors"))) == 2
 
 
-def test_default_rank_comes_from_tune_then_builtin(rough_target, monkeypatch):
-    monkeypatch.setattr(lowrank, "DEFAULT_RANK", 0.25)  # the built-in 0.7 saves nothing on a 16-wide model
-    assert build_drafter("lowrank", rough_target, calibration=32).rank == 0.25
+def test_default_rank_comes_from_tune_then_builtin(rough_target):
+    assert build_drafter("lowrank", rough_target, calibration=32).rank == lowrank.DEFAULT_RANK
     save_tuned(rough_target, "lowrank", {"rank": 3})
     assert build_drafter("lowrank", rough_target, calibration=32).rank == 3
 
 
-def test_a_rank_that_saves_nothing_is_unavailable(rough_target):
+def test_full_rank_is_unavailable(rough_target):
     with pytest.raises(ModeUnavailable, match="factors no layer"):
         build_drafter("lowrank", rough_target, rank=16)
 

@@ -64,7 +64,11 @@ def layer_ranks(rank, n_layers: int) -> list:
 
 
 def chosen_linears(model, rank, targets) -> dict[str, tuple[torch.nn.Linear, int]]:
-    """{module name: (linear, rank)} for every linear to factor; layers whose rank would not save weights are kept."""
+    """{module name: (linear, rank)} for every linear to factor; a rank at or above full rank keeps the layer.
+
+    A rank above out*in/(out+in) (0.73 of full rank for SmolLM2's MLP) streams more numbers than W itself:
+    allowed, so that a search over ranks sees the whole curve, but it can only be slower.
+    """
     layers = model.model.layers
     out = {}
     for i, r in enumerate(layer_ranks(rank, len(layers))):
@@ -73,7 +77,7 @@ def chosen_linears(model, rank, targets) -> dict[str, tuple[torch.nn.Linear, int
         for name, module in layers[i].named_modules():
             if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
                 k = resolve_rank(r, tuple(module.weight.shape))
-                if k * sum(module.weight.shape) < module.weight.numel():  # only if it is cheaper
+                if k < min(module.weight.shape):
                     out[f"model.layers.{i}.{name}"] = (module, k)
     return out
 
@@ -198,7 +202,7 @@ class LowRankDrafter(CopyDrafter):
         except (TypeError, ValueError) as e:
             raise ModeUnavailable(f"--rank {rank!r}: {e}") from None
         if not chosen:
-            raise ModeUnavailable(f"--rank {rank!r} factors no layer (a rank that saves no weights keeps the full layer)")
+            raise ModeUnavailable(f"--rank {rank!r} factors no layer (at full rank every layer keeps its weights)")
         model, extra = low_rank_copy(target, chosen, calibration)
         return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen))
 
