@@ -309,7 +309,6 @@ async def test_settings_from_the_command_palette_apply_to_the_next_round():
         assert session.controls.k == 16  # clamped
         commands["Theme: light"].callback()
         assert app.theme == "light"
-        commands["Export session (F9)"].callback  # present; exporting is tested elsewhere
         session.release(100)
         await wait_for(pilot, lambda: not app.generating)
 

@@ -22,7 +22,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Input, RichLog
-from textual.worker import Worker, get_current_worker
+from textual.worker import get_current_worker
 
 from specchat.decoding.drafters import MODES, ModeUnavailable
 from specchat.decoding.events import RoundRecord
