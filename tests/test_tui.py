@@ -468,3 +468,24 @@ def test_run_chat_writes_the_export_even_when_the_app_crashes(tmp_path, monkeypa
         run_chat(session, export_path=path)
     data = json.loads(path.read_text())
     assert data["turns"][0]["user"] == "before the crash" and data["turns"][0]["reply"] == session.turns[0].reply
+
+
+@pytest.mark.asyncio
+async def test_warnings_and_prints_go_to_the_log_view_not_the_screen():
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=SIZE) as pilot:
+        warnings.warn("a python warning")
+        logging.getLogger("somelib").warning("a library warning")
+        hf_logging.get_logger("transformers.models").warning("a transformers warning")
+        print("a stray print")
+        await pilot.pause(0.05)
+        lines = "\n".join(line for line, _ in app.log_lines)
+        for text in ("a python warning", "a library warning", "a transformers warning", "a stray print"):
+            assert text in lines
+        await pilot.press("f12")
+        assert isinstance(app.screen, LogScreen)

@@ -105,6 +105,21 @@ class _LogHandler(logging.Handler):
             pass
 
 
+def _route_transformers_logging(to_root: bool) -> None:
+    """transformers' handler holds the real stderr and would write over the screen: send its records to
+    the root logger (and so to the log view) while the app runs."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    if to_root:
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+    else:
+        hf_logging.disable_propagation()
+        hf_logging.enable_default_handler()
+
+
 class SpecChatApp(App):
     """Chat with speculative decoding shown live."""
 
@@ -193,6 +208,7 @@ class SpecChatApp(App):
         self._log_handler = _LogHandler(self)
         logging.getLogger().addHandler(self._log_handler)
         logging.captureWarnings(True)
+        _route_transformers_logging(to_root=True)
         for notice in self.startup_notices:
             self.warn(notice)
 
@@ -200,6 +216,7 @@ class SpecChatApp(App):
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)
             logging.captureWarnings(False)
+            _route_transformers_logging(to_root=False)
 
     # ------------------------------------------------------------------ notices and log
     def log_line(self, text: str, level: str = "info") -> None:
