@@ -17,6 +17,9 @@ class LookupDrafter:
     """Find the most recent earlier occurrence of the last n tokens (n = max_ngram down to min_ngram)
     and propose the tokens that followed it.
 
+    min_ngram defaults to 2: single-token matches are mostly wrong guesses, and on this CPU a rejected
+    block still costs a wider verify (measured: 1.22x over plain with 2, 1.03x with 1, chat prompts).
+
     An index {n-gram: end position of its latest occurrence} is kept per n and extended as the
     conversation grows, so a round costs a few dict look-ups, not a scan of the whole context.
     """
@@ -24,10 +27,10 @@ class LookupDrafter:
     name = "lookup"
 
     @classmethod
-    def build(cls, target, draft=None, *, max_ngram: int = 3, min_ngram: int = 1, **options) -> "LookupDrafter":
+    def build(cls, target, draft=None, *, max_ngram: int = 3, min_ngram: int = 2, **options) -> "LookupDrafter":
         return cls(max_ngram=max_ngram, min_ngram=min_ngram)
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
