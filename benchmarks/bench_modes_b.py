@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +48,16 @@ CODE = '''def total_price(items, tax_rate):
 REPEAT = [f"Here is a Python function:\n\n{CODE}\n\nRewrite it exactly, but rename `subtotal` to `net`. Show the full code."]
 
 
-ADAPTIVE_P_MIN = 0.0
+ADAPTIVE_P_MIN = 0.0  # what the CLI's --adaptive uses (specchat/cli.py configure_controls)
+
+
+def merge(total: Stats, one: Stats) -> None:
+    """Add one generation's counters to a running total (Stats keeps sums, so fields add up)."""
+    for f in ("rounds", "draft_rounds", "drafted", "accepted", "emitted", "draft_calls", "draft_s", "verify_s", "wall_s", "prefill_s"):
+        setattr(total, f, getattr(total, f) + getattr(one, f))
+    n = max(len(total.proposed_at), len(one.proposed_at))
+    total.proposed_at = [a + b for a, b in zip(total.proposed_at + [0] * n, one.proposed_at + [0] * n)][:n]
+    total.accepted_at = [a + b for a, b in zip(total.accepted_at + [0] * n, one.accepted_at + [0] * n)][:n]
 
 
 def rss_bytes() -> int:
@@ -84,7 +94,7 @@ def bench_dtype(dtype, args) -> dict:
     eos = {model.generation_config.eos_token_id}
     drafters, memory = {"off": PlainDecoding()}, {}
     for key, mode, opts in (("quant", "quant", {}), ("lowrank", "lowrank", {"rank": args.rank}), ("lookup", "lookup", {}),
-                            ("lookup-min2", "lookup", {"min_ngram": 2})):
+                            ("lookup-min1", "lookup", {"min_ngram": 1})):
         before, t = rss_bytes(), time.perf_counter()
         drafters[key] = build_drafter(mode, model, **opts)
         memory[key] = {"rss_growth_mb": (rss_bytes() - before) / 2**20, "build_s": time.perf_counter() - t,
@@ -92,19 +102,19 @@ def bench_dtype(dtype, args) -> dict:
     k = args.k
     # name -> (drafter, K, adaptive, rule)
     chat_configs = {"off": ("off", 1, False, "exact")}
-    for mode in ("quant", "lowrank", "lookup", "lookup-min2"):
+    for mode in args.chat_modes.split(","):
         chat_configs[f"{mode} K={k}"] = (mode, k, False, "exact")
     for mode in ("quant", "lookup"):
         chat_configs[f"{mode} adaptive"] = (mode, k, True, "exact")
-    chat_configs[f"quant K={k} approx:0.5"] = ("quant", k, False, "approx:0.5")  # greedy: same text, same speed
+    if args.approx:
+        chat_configs[f"quant K={k} approx:0.5"] = ("quant", k, False, "approx:0.5")  # greedy: same text
     for p_min in args.p_min:  # llama.cpp-style confidence stop, with a fixed K and with the schedule
         chat_configs[f"quant K={k} p-min={p_min:g}"] = ("quant", k, dict(k_min=k, k_max=k, p_min=p_min), "exact")
         chat_configs[f"quant adaptive p-min={p_min:g}"] = ("quant", k, dict(k_max=max(16, 2 * k), p_min=p_min), "exact")
     if args.only:
         chat_configs = {n: c for n, c in chat_configs.items() if n == "off" or any(o in n for o in args.only.split(","))}
     repeat_configs = {"off": ("off", 1, False, "exact"), f"lookup K={k}": ("lookup", k, False, "exact"),
-                      f"lookup-min2 K={k}": ("lookup-min2", k, False, "exact"), "lookup K=8": ("lookup", 8, False, "exact"),
-                      "lookup adaptive": ("lookup", k, True, "exact")}
+                      "lookup K=8": ("lookup", 8, False, "exact"), "lookup adaptive": ("lookup", k, True, "exact")}
     hf_repeat = {"hf-plain": {}, f"hf-lookup {args.hf_lookup}": {"prompt_lookup_num_tokens": args.hf_lookup}}
     encode = lambda text: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False))  # noqa: E731
     workloads = {"chat": ([encode(p) for p in CHAT[: args.prompts]], chat_configs, {}, args.tokens),
@@ -119,12 +129,16 @@ def bench_dtype(dtype, args) -> dict:
             continue
         stats = {name: Stats() for name in configs}
         hf_time = {name: [0.0, 0] for name in hf}
+        passes = {name: [] for name in [*configs, *hf]}  # tok/s of each (repeat, prompt) pass
         mismatches = []
         for _ in range(args.repeats):
             for pi, prompt in enumerate(prompts):
                 ref = None
                 for name, (mode, kk, adaptive, rule) in configs.items():
-                    out = run_loop(model, drafters[mode], prompt, kk, tokens, eos, stats[name], adaptive, rule)
+                    one = Stats()
+                    out = run_loop(model, drafters[mode], prompt, kk, tokens, eos, one, adaptive, rule)
+                    passes[name].append(one.tokens_per_s)
+                    merge(stats[name], one)
                     ref = ref if ref is not None else out
                     if out != ref:
                         mismatches.append((name, pi))
@@ -132,10 +146,14 @@ def bench_dtype(dtype, args) -> dict:
                     secs, out = run_hf(model, prompt, tokens, eos, **kw)
                     hf_time[name][0] += secs
                     hf_time[name][1] += len(out)
+                    passes[name].append(len(out) / secs)
                     if out != ref:
                         mismatches.append((name, pi))
         off = stats["off"]
         plain_ms = 1000 * off.wall_s / off.rounds
+        def median_ratio(name):
+            return statistics.median(a / b for a, b in zip(passes[name], passes["off"]))
+
         rows = {}
         for name, s in stats.items():
             mode = configs[name][0]
@@ -143,6 +161,7 @@ def bench_dtype(dtype, args) -> dict:
                 "tokens": s.emitted,
                 "tokens_per_s": s.tokens_per_s,
                 "speedup": s.tokens_per_s / off.tokens_per_s,
+                "speedup_median": median_ratio(name),
                 "acceptance": s.acceptance_rate,
                 "mean_accepted_length": s.mean_accepted_length,
                 "target_calls_per_token": s.target_calls_per_token,
@@ -152,7 +171,8 @@ def bench_dtype(dtype, args) -> dict:
                 "extra_mb": getattr(drafters[mode], "extra_bytes", 0) / 2**20,
             }
         for name, (secs, count) in hf_time.items():
-            rows[name] = {"tokens": count, "tokens_per_s": count / secs, "speedup": count / secs / off.tokens_per_s}
+            rows[name] = {"tokens": count, "tokens_per_s": count / secs, "speedup": count / secs / off.tokens_per_s,
+                          "speedup_median": median_ratio(name)}
         results[wname] = {"rows": rows, "plain_step_ms": plain_ms, "greedy_mismatches": mismatches, "tokens": tokens}
     return {"memory": memory, **results}
 
@@ -172,6 +192,8 @@ def main() -> None:
     ap.add_argument("--rank", type=float, default=None, help="lowrank rank (default: tuned or built-in)")
     ap.add_argument("--hf-lookup", type=int, default=5)
     ap.add_argument("--p-min", type=float, nargs="*", default=[])
+    ap.add_argument("--chat-modes", default="quant,lowrank,lookup,lookup-min1")
+    ap.add_argument("--approx", action="store_true", help="also quant with approx:0.5 (greedy: the same text)")
     ap.add_argument("--only", default=None, help="comma-separated substrings: keep only these chat configurations (and off)")
     ap.add_argument("--workloads", default="chat,repeat")
     ap.add_argument("--json", default=None)
@@ -184,10 +206,10 @@ def main() -> None:
         for wname in args.workloads.split(","):
             w = out[name][wname]
             print(f"\n## {name} / {wname}  (plain step {w['plain_step_ms']:.1f} ms; greedy mismatches: {w['greedy_mismatches'] or 'none'})")
-            print("| config | tok/s | speedup | acceptance | mean accepted len | target calls/token | draft step cost | verify cost | mean K | extra MB |")
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("| config | tok/s | speedup (total) | speedup (median of passes) | acceptance | mean accepted len | target calls/token | draft step cost | verify cost | mean K | extra MB |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
             for cname, r in w["rows"].items():
-                print(f"| {cname} | {fmt(r['tokens_per_s'])} | {fmt(r['speedup'])} | {fmt(r.get('acceptance'))} | "
+                print(f"| {cname} | {fmt(r['tokens_per_s'])} | {fmt(r['speedup'])} | {fmt(r['speedup_median'])} | {fmt(r.get('acceptance'))} | "
                       f"{fmt(r.get('mean_accepted_length'))} | {fmt(r.get('target_calls_per_token'))} | {fmt(r.get('draft_step_cost'))} | "
                       f"{fmt(r.get('verify_cost'))} | {fmt(r.get('mean_k'))} | {fmt(r.get('extra_mb'))} |")
         print("memory at build:", json.dumps(out[name]["memory"]))
