@@ -13,6 +13,8 @@ Extra memory: K hidden states of one row each; no cache, no weights.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specchat.decoding.cache import crop_to
@@ -26,6 +28,15 @@ def builtin_exit(n_layers: int) -> int:
     """Without a tuned E: all but the last layer. On SmolLM2-135M (not trained for early exit) agreement is
     0.61 at E=29 of 30 and falls fast below it; tune picked 29."""
     return max(1, n_layers - 1)
+
+
+class Pending(NamedTuple):
+    """What a propose leaves for the verify that follows it."""
+
+    state: object  # the TargetState it drafted for
+    past: int  # positions that state's cache held before the draft
+    ids: list[int]  # the drafts d1..dK
+    hidden: list[torch.Tensor]  # K x [1, 1, D]: after layer E-1, for tokens[-1], d1..d(K-1)
 
 
 class EarlyExitDrafter:
@@ -49,8 +60,7 @@ class EarlyExitDrafter:
         self.reset()
 
     def reset(self) -> None:
-        # what the last propose left for verify: (state, cached length before it, draft ids, hidden states)
-        self.pending: tuple | None = None
+        self.pending: Pending | None = None
 
     extra_bytes = 0  # hidden states only (K x D), freed each round
 
@@ -68,7 +78,7 @@ class EarlyExitDrafter:
             qs.append(q)
             hidden.append(h)
             feed = token
-        self.pending = (state, past, ids, hidden)
+        self.pending = Pending(state, past, ids, hidden)
         return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs) if qs else None, calls=k)  # [K], [K, V]
 
     def verify(self, state, draft_ids: list[int]) -> torch.Tensor:
@@ -76,10 +86,10 @@ class EarlyExitDrafter:
         past = len(state.tokens) - 1
         pending, self.pending = self.pending, None
         E, n = self.exit_layer, self.decoder.n_layers
-        if pending is not None and pending[0] is state and pending[1] == past and pending[2] == draft_ids and draft_ids:
+        if draft_ids and pending is not None and (pending.state, pending.past, pending.ids) == (state, past, draft_ids):
             # the draft fed tokens[-1], d1..d(K-1) through layers < E; only dK is missing there
             h_last = self.decoder.run(self.decoder.embed(draft_ids[-1:]), range(E), state.cache, past + len(draft_ids))
-            hidden = torch.cat([*pending[3], h_last], dim=1)  # [1, K+1, D]
+            hidden = torch.cat([*pending.hidden, h_last], dim=1)  # [1, K+1, D]
         else:  # nothing reusable (K = 0, or another drafter proposed): run layers < E on the whole chunk
             crop_to(state.cache, past)
             hidden = self.decoder.run(self.decoder.embed([state.tokens[-1], *draft_ids]), range(E), state.cache, past)
