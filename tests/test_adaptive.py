@@ -17,6 +17,12 @@ from test_exactness import ALPHA, PROMPT, exact_joint, sample_joint
 from tiny_model import tiny_model_dir
 
 
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """Low-rank factors of the tiny models go to a fresh user cache, not the real one."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+
+
 def test_schedule_grows_on_full_blocks_and_shrinks_on_rejections():
     a = AdaptiveK(start=4, k_min=1, k_max=8)
     a.update("draft", 4, 4)
