@@ -10,7 +10,6 @@ from typing import Iterator
 import torch
 
 from specchat.decoding import Controls, RoundRecord, SamplingParams, TargetState, generate
-from specchat.decoding.cache import common_prefix
 from specchat.decoding.drafters import Drafter, build_drafter
 from specchat.decoding.stats import Stats
 from specchat.decoding.text import IncrementalDecoder
@@ -163,11 +162,6 @@ class Session:
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:
         """The engine's rounds for one generation (a test double replaces only this)."""
-        state = self.state
-        if state.tokens and common_prefix(state.tokens, prompt) >= len(state.tokens):
-            # The prompt extends everything the state covers, but its last token is still pending (not
-            # in the cache): let TargetState.start see one token less, so it feeds that token too.
-            state.tokens = state.tokens[:-1]
         decoder = IncrementalDecoder(self.target.tokenizer, skip_special_tokens=True)
         return generate(
             self.state,

@@ -172,3 +172,15 @@ def test_homogeneity_pools_without_bias_and_detects_a_difference():
     skewed[:40] *= 4
     c = Counter(torch.multinomial(skewed / skewed.sum(), 300, replacement=True, generator=g).tolist())
     assert not homogeneity(a, c).passed(0.01)
+
+
+def test_start_reuses_the_cache_when_a_new_prompt_extends_the_old_one(tiny_target, tiny_draft):
+    """A second chat turn extends the tokens of the first: the pending last token must be fed too."""
+    state = TargetState(tiny_target)
+    first, _ = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=9, state=state)
+    extended = PROMPT + first + [4, 5]
+    state.start(extended)
+    assert state.cache.get_seq_length() == len(extended) - 1
+    cached = state.verify([])[-1]
+    fresh = forward_logits(tiny_target, new_cache(tiny_target), extended, keep=1)[-1]
+    torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-5)

@@ -38,7 +38,8 @@ class TargetState:
 
     def start(self, tokens: list[int]) -> int:
         """Make the state cover `tokens`, reusing the cached common prefix; returns positions prefilled."""
-        keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1)
+        cached = max(len(self.tokens) - 1, 0)  # the pending last token is not in the cache
+        keep = min(common_prefix(self.tokens, tokens), len(tokens) - 1, cached)
         crop_to(self.cache, keep)
         self.tokens = list(tokens)
         todo = self.tokens[keep:-1]
