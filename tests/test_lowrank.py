@@ -93,7 +93,7 @@ def test_full_rank_is_unavailable(rough_target):
 def test_sampled_output_matches_target_distribution(rough_target, case):
     params = SAMPLING_CASES[case]
     drafter = build_drafter("lowrank", rough_target, rank=2, calibration=32)
-    counts = sample_joint(rough_target, drafter, params, k=3, draws=1500, length=2)
+    counts = sample_joint(rough_target, drafter, params, k=3, draws=1000, length=2)
     result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
     assert result.passed(ALPHA), result
 
