@@ -92,6 +92,9 @@ def markdown(results: dict) -> str:
                + ("PASS" if not failures else "**FAIL**: " + "; ".join(
                    f"{f['config']} on prompt {f['prompt']!r} (repeat {f['repeat']}) differs from token {f['first_difference']}"
                    for f in failures)))
+    if failures and m["dtype"] != "float32":
+        out.append(f"  (in {m['dtype']}, one forward over K+1 positions rounds differently from K+1 one-token forwards, "
+                   "so a near-tied argmax can flip; rerun with --dtype float32 to tell rounding from a bug)")
     for v in checks["distribution"]:
         out.append(f"- distribution test {v['config']} on {v['prompt']!r}: {v['verdict'].upper()} "
                    f"(chi-square p={fmt(v['p_value'])}, TV {fmt(v['total_variation'])}, {v['samples']}+{v['samples']} samples "
