@@ -19,7 +19,7 @@ CONFIG_FIELDS = {
 ENGINE_FIELDS = {
     "acceptance_rate", "mean_accepted_length", "target_calls_per_token", "draft_calls_per_token",
     "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "overhead_ms_per_round",
-    "plain_step_ms", "draft_cost", "verify_cost", "predicted_speedup", "measured_over_predicted",
+    "plain_step_ms", "draft_cost", "verify_cost", "predicted_speedup", "measured_over_predicted", "predicted_from_length",
 }
 RUN_FIELDS = {"config", "mode", "k", "temperature", "prompt", "repeat", "tokens", "new_tokens", "e2e_s",
               "e2e_tokens_per_s", "tokens_per_s", "time_to_first_token_s", "memory_mb", "text"}
@@ -112,6 +112,7 @@ def _stats(rounds, drafted, accepted, draft_s, verify_s):
     for i in range(rounds):
         rec = RoundRecord(index=i, mode="m", draft_len=drafted, drafted=drafted, accepted=accepted,
                           draft_calls=drafted, draft_s=draft_s, verify_s=verify_s)
+        rec.tokens = [None] * (accepted + 1)  # Stats only counts them: accepted drafts + replacement
         stats.add(rec)
     return stats
 
@@ -127,6 +128,7 @@ def test_bench_predict_uses_measured_costs():
     expected = (1 - 0.5**5) / 0.5 / (4 * 0.1 + 1.3)
     assert out["predicted_speedup"] == pytest.approx(expected)
     assert out["measured_over_predicted"] == pytest.approx(1.0 / expected)
+    assert out["predicted_from_length"] == pytest.approx(3 / 1.7)  # 2 accepted + 1 emitted per round
 
 
 def test_peers_follow_the_requested_modes():

@@ -64,15 +64,17 @@ def markdown(results: dict) -> str:
         f"temperature {', '.join(f'{t:g}' for t in s['temperatures'])} (0 = greedy), top-k off, top-p 1, seed {s['seed']}",
         "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
         "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
-        "predicted: E[tokens/round] / (K·c + v) with c, v measured relative to one plain target step.",
+        "predicted: E[tokens/round] / (K·c + v), E from the acceptance rate assumed i.i.d., c and v measured "
+        "(first rounds left out) relative to one plain target step; pred. from len: the same with the measured "
+        "tokens per round.",
         "",
     ]
     rows = [r for r in results["configs"] if not r["peer"]]
     out.append(table(
-        ["config", "tok/s", "speedup", "predicted", "meas/pred", "target calls/tok", "acceptance", "mean acc. len",
+        ["config", "tok/s", "speedup", "predicted", "meas/pred", "pred. from len", "target calls/tok", "acceptance", "mean acc. len",
          "TTFT ms", "draft ms/round", "verify ms/round", "other ms/round", "c", "v", "memory MB", "quality"],
         [[r["config"], fmt_spread(r["tokens_per_s"]), fmt(r["speedup"]), fmt(r["predicted_speedup"]),
-          fmt(r["measured_over_predicted"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
+          fmt(r["measured_over_predicted"]), fmt(r["predicted_from_length"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
           fmt(r["mean_accepted_length"]), fmt_spread(r["time_to_first_token_s"], 1000), fmt(r["draft_ms_per_round"]),
           fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
           fmt(r["memory_mb"], 4), quality_cell(r, checks)] for r in rows],

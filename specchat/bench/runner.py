@@ -248,7 +248,7 @@ def predict(cfg: Config, stats: Stats | None, plain: Stats | None, measured: flo
     there, a one-off cost (it shows in TTFT) that is not the per-step cost the formula means.
     """
     out = {"plain_step_ms": None, "draft_cost": None, "verify_cost": None, "predicted_speedup": None,
-           "measured_over_predicted": None}
+           "measured_over_predicted": None, "predicted_from_length": None}
     if cfg.mode == "off" or not stats or not plain or not plain.rounds or not stats.rounds:
         return out
     step_ms = plain.verify_ms_per_round
@@ -256,8 +256,12 @@ def predict(cfg: Config, stats: Stats | None, plain: Stats | None, measured: flo
     v = stats.verify_ms_per_round / step_ms
     a = stats.acceptance_rate or 0.0
     pred = predicted_speedup(a, cfg.k, c, v)
+    # the same cost model with the measured tokens per round instead of the i.i.d. expectation: acceptance
+    # comes in runs, so the gap between the two predictions is burstiness, the rest is overhead
+    from_length = (stats.mean_accepted_length or 0.0) / (cfg.k * c + v)
     out.update(plain_step_ms=step_ms, draft_cost=c, verify_cost=v, predicted_speedup=pred,
-               measured_over_predicted=measured / pred if measured and pred else None)
+               measured_over_predicted=measured / pred if measured and pred else None,
+               predicted_from_length=from_length)
     return out
 
 
