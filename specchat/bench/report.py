@@ -33,6 +33,12 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def memory_cell(row: dict) -> str:
+    """Peak memory, and what building the mode's drafter added (an int8 or low-rank copy of the target)."""
+    extra = row.get("drafter_memory_mb")
+    return fmt(row["memory_mb"]) + (f" (+{fmt(extra)})" if extra and extra >= 1 else "")
+
+
 def quality_cell(row: dict, checks: dict) -> str:
     """Greedy identity for exact greedy configs, the distribution test for sampled ones, quality for approximate."""
     label = row["config"]
@@ -72,12 +78,12 @@ def markdown(results: dict) -> str:
     rows = [r for r in results["configs"] if not r["peer"]]
     out.append(table(
         ["config", "tok/s", "speedup", "predicted", "meas/pred", "pred. from len", "target calls/tok", "acceptance", "mean acc. len",
-         "TTFT ms", "draft ms/round", "verify ms/round", "other ms/round", "c", "v", "memory MB", "quality"],
+         "TTFT ms", "draft ms/round", "verify ms/round", "other ms/round", "c", "v", "memory MB (+drafter)", "quality"],
         [[r["config"], fmt_spread(r["tokens_per_s"]), fmt(r["speedup"]), fmt(r["predicted_speedup"]),
           fmt(r["measured_over_predicted"]), fmt(r["predicted_from_length"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
           fmt(r["mean_accepted_length"]), fmt_spread(r["time_to_first_token_s"], 1000), fmt(r["draft_ms_per_round"]),
           fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
-          fmt(r["memory_mb"], 4), quality_cell(r, checks)] for r in rows],
+          memory_cell(r), quality_cell(r, checks)] for r in rows],
     ))
     if results["peers"]:
         out += ["", "## Hugging Face peers (same models, prompts, K and sampling; end-to-end tok/s including the prefill)", ""]
