@@ -160,6 +160,9 @@ def plot(results: dict, path: Path) -> bool:
             if pts:
                 label = name[0] + ("" if name[1] == "exact" else f" ({name[1]})") + (" (vs HF generate)" if name[0].startswith("hf-") else "")
                 ax.plot(*zip(*pts), marker="o", linestyle="--" if name[0].startswith("hf-") else "-", label=label)
+        ks = results["settings"]["draft_lens"]
+        ax.set_xticks(ks)
+        ax.set_xlim(min(ks) - 1, max(ks) + 1)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xlabel("draft length K")
         ax.set_ylabel("speedup over plain decoding")
