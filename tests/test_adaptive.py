@@ -133,3 +133,21 @@ def test_confidence_stop_keeps_the_distribution():
     assert 0 < sum(r.drafted for r in records) < sum(r.draft_len for r in records)  # the stop fired, not always
     result = goodness_of_fit(counts, exact_joint(target, PROMPT, params, 3))
     assert result.passed(ALPHA), result
+
+
+@pytest.mark.slow
+def test_default_model_switching_and_adaptive_keep_greedy_output():
+    from selfspec_helpers import chat_ids
+    from specchat.models import load_model
+
+    smol = load_model(None, torch.device("cpu"), torch.float32)
+    prompt = chat_ids(smol, "Write a Python function that reverses a list.")
+    eos = smol.model.generation_config.eos_token_id
+    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
+    drafters = [build_drafter(mode, smol.model) for mode in ("quant", "lookup", "off")]
+    controls = Controls(drafters[0], k=4, sampling=SamplingParams(0), adaptive=AdaptiveK(start=4, p_min=0.3))
+    out = []
+    for i, record in enumerate(generate(TargetState(smol.model), prompt, controls, max_new_tokens=40, eos_ids={eos})):
+        out += [t.id for t in record.tokens]
+        controls.drafter = drafters[(i + 1) % len(drafters)]
+    assert out == ref

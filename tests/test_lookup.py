@@ -64,3 +64,22 @@ def test_distribution_test_catches_a_broken_rule_with_one_hot_q(target):
     params = SamplingParams(1.0)
     result = goodness_of_fit(sample_lookup(target, params, rule=ResampleFromP()), exact_joint(target, REPEATING, params, 2))
     assert not result.passed(ALPHA), result
+
+
+@pytest.mark.slow
+def test_default_model_greedy_matches_hf_generate():
+    from selfspec_helpers import SMOL_PROMPTS, chat_ids
+    from specchat.decoding import generate
+    from specchat.models import load_model
+
+    smol = load_model(None, torch.device("cpu"), torch.float32)
+    eos = smol.model.generation_config.eos_token_id
+    accepted = 0
+    for text in [*SMOL_PROMPTS, "Repeat after me: the quick brown fox jumps over the lazy dog."]:
+        prompt = chat_ids(smol, text)
+        ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32)  # stops at EOS
+        controls = Controls(build_drafter("lookup", smol.model), k=4, sampling=SamplingParams(0))
+        records = list(generate(TargetState(smol.model), prompt, controls, max_new_tokens=32, eos_ids={eos}))
+        assert [t.id for r in records for t in r.tokens] == ref[0, len(prompt):].tolist(), text
+        accepted += sum(r.accepted for r in records)
+    assert accepted > 0
