@@ -58,11 +58,12 @@ def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
 
         result = tune_model(model, prompts, tune_mode, seed=seed, budget=budget or 80, max_new_tokens=tokens, progress=progress)
     c = result.costs
-    console.print(
-        f"costs vs one plain step: layer {c.layer:.3f}, head {c.head:.3f}, "
-        f"verify K=4 {c.verify.get(4, float('nan')):.2f}, K=8 {c.verify.get(8, float('nan')):.2f}   "
-        f"calibration: {len(prompts)} prompts, {result.calibration_tokens} greedy tokens, seed {seed}"
-    )
+    if c is not None:
+        console.print(
+            f"costs vs one plain step: layer {c.layer:.3f}, head {c.head:.3f}, "
+            f"verify K=4 {c.verify.get(4, float('nan')):.2f}, K=8 {c.verify.get(8, float('nan')):.2f}   "
+            f"calibration: {len(prompts)} prompts, {result.calibration_tokens} greedy tokens, seed {seed}"
+        )
     table = Table(title=f"{tune_mode}: best settings on {session.target.name} ({session.device_label}/{session.dtype_label})")
     # costs are relative to one plain target step; the speedup is predicted from the replayed greedy rounds
     for col in ("setting", "K", "accept", "tok/round", "draft", "verify", "speedup"):

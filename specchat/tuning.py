@@ -289,7 +289,7 @@ class TuneResult:
     mode: str
     best: Candidate
     candidates: list[Candidate]  # best first
-    costs: Costs
+    costs: Costs | None  # None for lowrank (measured per candidate)
     seed: int
     calibration_tokens: int
     extra: dict = field(default_factory=dict)
@@ -332,12 +332,12 @@ def tune_model(
     tick = lambda cand: note("candidate", cand)  # noqa: E731
     torch.manual_seed(seed)
     decoder = Decoder(model)
+    if mode == "lowrank":  # costs are measured per rank, in the real loop
+        cands = search_lowrank(model, prompts, seed=seed, budget=budget, k_max=k_max, max_new_tokens=max_new_tokens, tick=tick)
+        return TuneResult(mode, cands[0], cands, None, seed, 0)
     if costs is None:
         note("measuring step costs", None)
         costs = measure_costs(model, k_max)
-    if mode == "lowrank":
-        cands = search_lowrank(model, prompts, seed=seed, budget=budget, k_max=k_max, max_new_tokens=max_new_tokens, tick=tick)
-        return TuneResult(mode, cands[0], cands, costs, seed, 0)
     note("greedy replies of the full model", None)
     refs = [reference(decoder, p, max_new_tokens) for p in prompts]
     tokens = sum(len(r.targets) for r in refs)
