@@ -89,6 +89,22 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert (out / "speedup.png").exists() or "pip install" in result.output
 
 
+def test_bench_approximate_rule_gets_quality_metrics(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "approx"
+    result = invoke(
+        "--target", model_dir, "--draft", model_dir, "--device", "cpu", "--dtype", "float32", "--modes", "draft",
+        "--draft-len", "2", "--accept", "exact,approx:0.5", "--prompts", prompts_file, "--max-new-tokens", "6",
+        "--repeat", "1", "--out", out,
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    approx = data["checks"]["approximate"]
+    assert [a["config"] for a in approx] == ["draft K=2 T=0 approx:0.5"]
+    assert 0 <= approx[0]["greedy_agreement"] <= 1 and approx[0]["mean_logprob"] <= 0
+    assert next(c for c in data["configs"] if c["accept"] != "exact")["exact"] is False
+    assert "approx: agree" in result.output
+
+
 # ---------------------------------------------------------------- predicted speedup
 
 
