@@ -73,6 +73,11 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     draft = next(c for c in data["configs"] if c["config"] == "draft K=2 T=0")
     assert draft["predicted_speedup"] > 0 and draft["acceptance_rate"] is not None
     assert next(c for c in data["configs"] if c["config"] == "off T=0")["speedup"] == 1.0
+    for row in data["configs"]:  # statistics cover the measured runs only, not the warm-ups
+        runs = [r for r in data["runs"] if r["config"] == row["config"]]
+        assert row["new_tokens"] == sum(r["new_tokens"] for r in runs)
+        if not row["peer"]:
+            assert row["rounds"] == sum(r["stats"]["rounds"] for r in runs)
 
     assert len(data["runs"]) == 8 * 2  # every configuration on every prompt, once
     for run in data["runs"]:

@@ -150,13 +150,13 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
     return run, records
 
 
-def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int) -> dict:
+def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int, *, warmup: bool = False) -> dict:
     if cfg.is_peer:
         from specchat.bench.peers import run_peer
 
         return run_peer(ctx, cfg, ids, seed, max_new_tokens)
     run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens)
-    if max_new_tokens == ctx.max_new_tokens:  # not a warm-up
+    if not warmup:
         stats, steady = ctx.stats.setdefault(cfg.label, Stats()), ctx.steady.setdefault(cfg.label, Stats())
         for r in records:
             stats.add(r)
@@ -170,7 +170,7 @@ def run_all(ctx: Context, configs: list[Config], prompts: list[Prompt], repeat: 
     step = progress or (lambda _msg: None)
     for cfg in configs:
         step(f"warm-up {cfg.label}")
-        run_one(ctx, cfg, prompts[0].ids, ctx.seed, min(WARMUP_TOKENS, ctx.max_new_tokens))
+        run_one(ctx, cfg, prompts[0].ids, ctx.seed, min(WARMUP_TOKENS, ctx.max_new_tokens), warmup=True)
     runs = []
     for r in range(repeat):
         for i, prompt in enumerate(prompts):
