@@ -51,7 +51,7 @@ CODE = '''def total_price(items, tax_rate):
 REPEAT = [f"Here is a Python function:\n\n{CODE}\n\nRewrite it exactly, but rename `subtotal` to `net`. Show the full code."]
 
 
-ADAPTIVE_P_MIN = 0.0  # what the CLI's --adaptive uses (specchat/cli.py configure_controls)
+ADAPTIVE_P_MIN = 0.7  # what the CLI's --adaptive uses (specchat/cli.py configure_controls)
 
 
 def merge(total: Stats, one: Stats) -> None:

@@ -141,8 +141,9 @@ def configure_controls(session, opts: dict) -> None:
     if opts["adaptive"]:
         from specchat.decoding.loop import AdaptiveK
 
-        # -k is the starting length; the schedule moves it within [1, max(16, 2K)]
-        session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]))
+        # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts (quant,
+        # lowrank) also stop when their top probability is below 0.7 (measured: benchmarks/RESULTS-modes-b.md)
+        session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
