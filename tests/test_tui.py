@@ -84,7 +84,7 @@ async def test_reply_streams_round_by_round_in_token_colours():
         # round 0 accepts all 4 drafts, then a bonus token
         assert [t.kind for t in reply.tokens] == ["accepted"] * 4 + ["bonus"]
         assert reply.text == "".join(VOCAB[i] for i in REPLY[:5])
-        assert "100%" in panel_text(app)  # this reply's acceptance so far
+        await wait_for(pilot, lambda: "100%" in panel_text(app))  # this reply's acceptance (redrawn within 0.25 s)
         # each token is drawn in its theme colour
         content = reply.render()
         colours = {content.plain[s.start : s.end]: s.style.foreground for s in content.spans}

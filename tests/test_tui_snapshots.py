@@ -25,8 +25,11 @@ async def mid_reply(pilot) -> None:
     while app.reply_stats.rounds < 3:
         assert time.monotonic() < deadline, "the fake session did not stream"
         await pilot.pause(0.01)
+    app.redraw_reply()  # replies redraw on a 0.1 s timer while streaming: draw it now
     await pilot.press("f10")
+    await pilot.pause()
     await pilot.click("ReplyView", offset=(8, 0))  # " quick": the inspector shows an accepted draft
+    app.refresh_panel()  # the panel redraws on a 0.25 s timer while streaming: draw it now
     app.clear_notifications()  # toasts come and go on a timer
     await pilot.pause()
 

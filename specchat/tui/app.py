@@ -33,6 +33,10 @@ from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, toke
 from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
 
 SPARK_ROUNDS = 40
+# While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
+# GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
+REPLY_INTERVAL_S = 0.1
+PANEL_INTERVAL_S = 0.3
 K_RANGE = (1, 16)
 TEMPERATURE_STEP = 0.1
 
@@ -161,6 +165,8 @@ class SpecChatApp(App):
         if session.draft is None:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
         self.pending_mode: str | None = None
+        self._panel_timer = None
+        self._reply_timer = None
         self.log_lines: list[tuple[str, str]] = []
         self.startup_notices: list[str] = []
         self._log_handler: _LogHandler | None = None
@@ -292,10 +298,21 @@ class SpecChatApp(App):
         if self.reply_view is not None:
             rejected = [self.session.token_text(t) for t in record.rejected]
             self.reply_view.add_round(record, rejected)
-        self.refresh_panel()
+            if self._reply_timer is None:
+                self._reply_timer = self.set_timer(REPLY_INTERVAL_S, self.redraw_reply)
+        if self._panel_timer is None:
+            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, self.refresh_panel)
+
+    def redraw_reply(self) -> None:
+        self._reply_timer = None
+        if self.reply_view is not None:
+            self.reply_view.redraw()
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
         self.set_generating(False)
+        if self._reply_timer is not None:
+            self._reply_timer.stop()
+        self.redraw_reply()
         if self.reply_view is not None:
             turn = self.session.turns[-1] if self.session.turns else None
             if message.error:
@@ -313,10 +330,14 @@ class SpecChatApp(App):
         self.refresh_bindings()
 
     def refresh_panel(self) -> None:
-        self.query_one(StatsPanel).show(
-            session=self.session, reply=self.reply_stats, recent=self.recent,
-            unavailable=self.unavailable, pending=self.pending_mode,
-        )
+        if self._panel_timer is not None:
+            self._panel_timer.stop()
+            self._panel_timer = None
+        for panel in self.query(StatsPanel):  # none while the app shuts down
+            panel.show(
+                session=self.session, reply=self.reply_stats, recent=self.recent,
+                unavailable=self.unavailable, pending=self.pending_mode,
+            )
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":

@@ -92,6 +92,11 @@ class ReplyView(Widget):
         self.show_rejected = False
         self.selected: int | None = None
         self.status = ""
+        self._click: list[Style] = []  # per token: the style that makes it clickable
+        self._parts: list[tuple[str, Style]] = []
+        self._parts_done = 0
+        self._parts_key: tuple | None = None
+        self._height: int | None = None
 
     def add_round(self, record: RoundRecord, rejected_texts: list[str]) -> None:
         """Append a round's tokens; its rejected drafts go where the target disagreed (after the accepted ones)."""
@@ -100,10 +105,19 @@ class ReplyView(Widget):
             if i == cut:
                 self.spans += [Span(text, "rejected", None) for text in rejected_texts]
             self.tokens.append(token)
+            self._click.append(Style.from_meta({"@click": f"select_token({len(self.tokens) - 1})"}))
             self.spans.append(Span(token.text, token.kind, len(self.tokens) - 1))
         if cut >= len(record.tokens):
             self.spans += [Span(text, "rejected", None) for text in rejected_texts]
-        self.refresh(layout=True)
+        # no refresh here: the app redraws replies on a short timer, so fast rounds cost one redraw
+
+    def redraw(self) -> None:
+        """Redraw after new rounds; a layout pass (costly: the whole screen) only when the height changed."""
+        width = self.content_region.width or self.size.width
+        height = self.render().get_height(self.styles, width) if width > 0 else None
+        grew = height is None or height != self._height
+        self._height = height
+        self.refresh(layout=grew)
 
     def set_status(self, status: str) -> None:
         self.status = status
@@ -118,20 +132,26 @@ class ReplyView(Widget):
         return "".join(t.text for t in self.tokens)
 
     def render(self) -> Content:
+        """Styled parts are built once per span and kept: a round only converts its own spans.
+
+        They are rebuilt only when what they depend on changes (theme, selection, F10).
+        """
         styles = {kind: Style.from_rich_style(self.get_component_rich_style(f"token--{kind}", partial=True)) for kind in KINDS}
         selected = Style.from_rich_style(self.get_component_rich_style("token--selected", partial=True))
-        parts: list[tuple[str, Style]] = []
-        for span in self.spans:
+        key = (tuple(styles.values()), selected, self.selected, self.show_rejected)
+        if key != self._parts_key:
+            self._parts_key, self._parts, self._parts_done = key, [], 0
+        for span in self.spans[self._parts_done :]:
             if span.kind == "rejected":
                 if self.show_rejected and span.text:
-                    parts.append((span.text.replace("\n", "↵"), styles["rejected"]))
+                    self._parts.append((span.text.replace("\n", "↵"), styles["rejected"]))
                 continue
-            style = styles[span.kind] + Style.from_meta({"@click": f"select_token({span.token})"})
+            style = styles[span.kind] + self._click[span.token]
             if span.token == self.selected:
                 style = style + selected
-            parts.append((span.text, style))
-        if not parts:
-            parts.append(("…", Style(dim=True)))
+            self._parts.append((span.text, style))
+        self._parts_done = len(self.spans)
+        parts: list = list(self._parts) or [("…", Style(dim=True))]
         if self.status:
             status = Style.from_rich_style(self.get_component_rich_style("reply--status", partial=True))
             parts.append((f"  [{self.status}]", status))
@@ -368,8 +388,16 @@ class StatsPanel(VerticalScroll, can_focus=False):
     StatsPanel { height: 1fr; padding: 0 0 0 1; overflow-x: hidden; scrollbar-gutter: stable; scrollbar-size-vertical: 1; }
     StatsPanel > .section { color: $primary; text-style: bold; margin-top: 1; }
     StatsPanel > #mode-line { margin-top: 0; }
+    /* fixed heights: updates need no layout pass (which would re-measure everything on screen) */
+    StatsPanel > #mode-line { height: 2; }
+    StatsPanel > #stats { height: 11; }
+    StatsPanel > #spark { height: 1; }
+    StatsPanel > #speedup { height: 3; }
+    StatsPanel > #modes { height: 8; }
     StatsPanel > #spark { margin-top: 1; }
     """
+
+    _position_lines = -1
 
     def compose(self):
         yield Static(id="mode-line")
@@ -398,12 +426,15 @@ class StatsPanel(VerticalScroll, can_focus=False):
                              ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
-        self.query_one("#mode-line", Static).update(line)
-        self.query_one("#stats", Static).update(stats_table(reply, stats.get(mode, Stats()), mode))
+        self.query_one("#mode-line", Static).update(line, layout=False)
+        self.query_one("#stats", Static).update(stats_table(reply, stats.get(mode, Stats()), mode), layout=False)
         colour = rich_colour(self.app.theme_variables.get("token-accepted", ""), "green")
         recent_line = Text.assemble(("recent rounds ", "bold"), (spark(recent), colour) if recent else ("no drafts yet", "dim"))
-        self.query_one("#spark", Static).update(recent_line)
-        self.query_one("#positions", Static).update(positions_text(stats.get(mode), colour))
+        self.query_one("#spark", Static).update(recent_line, layout=False)
+        positions = positions_text(stats.get(mode), colour)
+        lines = len(positions.plain.splitlines())
+        self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
+        self._position_lines = lines
         value, why = estimate_speedup(stats, mode, controls.k)
         measured = measured_speedup(stats, mode)
         speed = Text()
@@ -413,8 +444,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
             speed.append(f"   {measured:.2f}×", style="bold")
             speed.append(" measured")
         speed.append(f"\n{why}", style="dim")
-        self.query_one("#speedup", Static).update(speed)
-        self.query_one("#modes", Static).update(modes_table(stats, mode, unavailable, pending))
+        self.query_one("#speedup", Static).update(speed, layout=False)
+        self.query_one("#modes", Static).update(modes_table(stats, mode, unavailable, pending), layout=False)
 
 
 def rich_colour(value: str, fallback: str) -> str:
