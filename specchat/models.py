@@ -140,7 +140,6 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     name, source = resolve(spec)
     is_hub_id = source == spec and not Path(spec).exists()
     offline = is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
@@ -151,7 +150,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, device_map=device_map, use_safetensors=True, **kwargs
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # a broken model directory can fail in many ways; the user gets one line
         if is_hub_id:
             hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
             raise ModelError(

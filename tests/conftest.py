@@ -6,6 +6,10 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import pytest
 import torch
+
+# One intra-op thread: the tiny models gain nothing from two, and on a machine shared with other work
+# two OpenMP threads spin-wait for each other (measured: a SmolLM2 step 20x slower under load).
+torch.set_num_threads(1)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 12
