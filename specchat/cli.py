@@ -326,6 +326,3 @@ def register_commands() -> None:
 
 
 register_commands()
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
