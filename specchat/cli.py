@@ -45,7 +45,7 @@ def model_options(f):
         click.option("--target", metavar="MODEL", help="HF model id (local cache), directory, or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
         click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer)."),
         click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
-        click.option("--dtype", default="auto", show_default=True, help="auto (bf16), float32, bfloat16, float16."),
+        click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
     ]
