@@ -90,30 +90,36 @@ def mode_options(opts: dict) -> dict:
     return out
 
 
+def load_models(opts: dict, console):
+    """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
+    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    device = pick_device(opts["device"])
+    dtype = pick_dtype(opts["dtype"], device)
+    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"])
+    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
+        target = load_model(opts["target"], device, dtype, **kwargs)
+    draft = None
+    if opts["draft"]:
+        with console.status(f"Loading draft {opts['draft']}..."):
+            draft = load_model(opts["draft"], device, dtype, **kwargs)
+        check_same_tokenizer(target, draft)
+    return target, draft, device, dtype
+
+
 def load_session(opts: dict, *, quiet: bool = False):
     """Load models with a progress display on stderr and build a Session."""
     from rich.console import Console
 
     from specchat.decoding.sampling import SamplingParams
-    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
     from specchat.session import Session
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     mode = opts["mode"] or ("draft" if opts["draft"] else "off")
     if mode == "draft" and not opts["draft"]:
         raise UserError("--mode draft needs a draft model: pass --draft MODEL")
-    console = Console(stderr=True, quiet=quiet)
     with user_errors():
-        device = pick_device(opts["device"])
-        dtype = pick_dtype(opts["dtype"], device)
-        kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"])
-        with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
-            target = load_model(opts["target"], device, dtype, **kwargs)
-        draft = None
-        if opts["draft"]:
-            with console.status(f"Loading draft {opts['draft']}..."):
-                draft = load_model(opts["draft"], device, dtype, **kwargs)
-            check_same_tokenizer(target, draft)
+        target, draft, device, dtype = load_models(opts, Console(stderr=True, quiet=quiet))
         sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"])
         session = Session(
             target,

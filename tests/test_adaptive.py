@@ -13,7 +13,7 @@ from specchat.decoding.drafters import ModeUnavailable, build_drafter
 from specchat.decoding.drafters.model import ModelDrafter
 from specchat.decoding.loop import AdaptiveK
 from specchat.verify import goodness_of_fit
-from test_exactness import ALPHA, PROMPT, exact_joint, sample_joint
+from test_exactness import ALPHA, PROMPT, exact_joint
 from tiny_model import tiny_model_dir
 
 

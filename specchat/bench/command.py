@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
-from specchat.cli import UserError, mode_options, model_options, user_errors
+from specchat.cli import UserError, load_models, mode_options, model_options, user_errors
 from specchat.decoding.drafters import DRAFTER_CLASSES, MODES
 
 BUILTIN_PROMPTS = Path(__file__).with_name("prompts.jsonl")
@@ -138,25 +137,14 @@ def bench(modes, draft_lens, temperatures, accepts, prompts_spec, max_new_tokens
 
     from specchat.bench import report, runner
     from specchat.decoding.drafters import ModeUnavailable, build_drafter
-    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     console = Console(stderr=True)
     with user_errors():
-        device = pick_device(opts["device"])
-        dtype = pick_dtype(opts["dtype"], device)
-        kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"])
-        with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
-            target = load_model(opts["target"], device, dtype, **kwargs)
-        draft = None
-        if opts["draft"]:
-            with console.status(f"Loading draft {opts['draft']}..."):
-                draft = load_model(opts["draft"], device, dtype, **kwargs)
-            check_same_tokenizer(target, draft)
+        target, draft, device, dtype = load_models(opts, console)
 
         # -- drafters: a mode that cannot run with these models fails now, not after the long run
         drafters, drafter_mb = {}, {}
