@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from specchat.decoding.cache import common_prefix, crop_to, new_cache
-from specchat.decoding.drafters.base import Proposal
 from specchat.decoding.drafters.layers import Decoder, cache_bytes
-from specchat.decoding.sampling import logits_to_probs, sample
+from specchat.decoding.drafters.model import ModelDrafter
 from specchat.decoding.tuned import load_tuned
 
 
@@ -40,7 +38,7 @@ def check_skip(skip: list[int], n_layers: int) -> list[int]:
     return sorted(set(skip))
 
 
-class LayerSkipDrafter:
+class LayerSkipDrafter(ModelDrafter):
     name = "layerskip"
 
     @classmethod
@@ -55,32 +53,15 @@ class LayerSkipDrafter:
         self.decoder = decoder
         self.skip_layers = skip_layers
         self.layer_ids = [i for i in range(decoder.n_layers) if i not in set(skip_layers)]
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache = new_cache(self.decoder.model)
-        self.cached: list[int] = []  # tokens whose KV the draft cache holds
+        super().__init__(decoder.model)
 
     @property
     def extra_bytes(self) -> int:
         return cache_bytes(self.cache)
 
-    def propose(self, state, k, params, generator) -> Proposal:
-        # re-sync to the accepted tokens: keep the common prefix, feed the rest (incl. a fully accepted K-th draft)
-        keep = min(common_prefix(self.cached, state.tokens), len(state.tokens) - 1)
-        crop_to(self.cache, keep)
-        self.cached = self.cached[:keep]
-        feed = state.tokens[keep:]
-        ids, qs = [], []
-        for _ in range(k):
-            logits = self.decoder.forward(feed, self.layer_ids, self.cache, past=len(self.cached))[-1]  # [V]
-            self.cached.extend(feed)
-            q = logits_to_probs(logits, params)  # [V] float32: exactly what the token is drawn from
-            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
-            ids.append(token)
-            qs.append(q)
-            feed = [token]
-        return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls=k)  # [K], [K, V]
+    def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
+        """The draft pass: only the kept layers, on this drafter's own cache. [V]"""
+        return self.decoder.forward(feed, self.layer_ids, self.cache, past=len(self.cached))[-1]
 
     def verify(self, state, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] for the pending token and the drafts: every layer, the target's cache."""

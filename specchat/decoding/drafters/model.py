@@ -24,7 +24,13 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class ModelDrafter:
+    """Also the base of every drafter that runs a model of its own with its own KV cache
+    (quant, lowrank, layerskip): they differ only in `next_logits`."""
+
     name = "draft"
+    # stop drafting when the draft's top probability falls below p_min (llama.cpp's --draft-p-min; set by
+    # the loop from --adaptive, 0 = never). It depends only on the draft's own distribution: still exact.
+    p_min: float = 0.0
 
     @classmethod
     def build(cls, target, draft=None, **options) -> "ModelDrafter":
@@ -42,20 +48,29 @@ class ModelDrafter:
         self.cache = new_cache(self.model)
         self.cached: list[int] = []  # tokens whose KV the draft cache holds
 
+    def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
+        """Feed `feed` after the cached tokens; the draft's logits for the next token, [V_target]."""
+        return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
+
     def propose(self, state, k, params, generator) -> Proposal:
         # re-sync: keep the common prefix, feed the rest (after a full accept that includes the K-th draft)
         keep = min(common_prefix(self.cached, state.tokens), len(state.tokens) - 1)
         crop_to(self.cache, keep)
         self.cached = self.cached[:keep]
         feed = state.tokens[keep:]
-        ids, qs = [], []
+        ids, qs, calls = [], [], 0
         for _ in range(k):
-            logits = align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], state.vocab_size)  # [V]
+            logits = self.next_logits(feed, state.vocab_size)  # [V]
             self.cached.extend(feed)
-            q = logits_to_probs(logits, params).to(state.device)  # [V]
+            calls += 1
+            q = logits_to_probs(logits, params).to(state.device)  # [V] float32: exactly what the token is drawn from
+            # confidence: q's top probability (a greedy q is one-hot, so use the softmax of the logits)
+            if self.p_min > 0 and float((torch.softmax(logits.float(), -1) if params.greedy else q).max()) < self.p_min:
+                break
             token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
             ids.append(token)
             qs.append(q)
             feed = [token]
-        q_all = torch.stack(qs)  # [K, V]
-        return Proposal(torch.tensor(ids, device=state.device), q_all, calls=k)
+        if not ids:
+            return Proposal(torch.empty(0, dtype=torch.long, device=state.device), None, calls)
+        return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls)  # [K'], [K', V]
