@@ -137,9 +137,11 @@ def generate(
         want = adaptive.k(drafter.name) if adaptive else controls.k
         if hasattr(drafter, "p_min"):
             drafter.p_min = adaptive.p_min if adaptive else 0.0
-        # never verify past the context window
-        room = None if state.context_len is None else state.context_len - len(state.tokens) - 1
-        k = max(0, min(want, room if room is not None else want, limit - produced - 1))
+        # never draft past the token budget (the last token needs no draft) or verify past the context window
+        k = min(want, limit - produced - 1)
+        if state.context_len is not None:
+            k = min(k, state.context_len - len(state.tokens) - 1)
+        k = max(k, 0)
 
         t0 = clock(state.device)
         proposal = drafter.propose(state, k, params, generator) if k > 0 else Proposal.empty(state.device)
@@ -147,14 +149,15 @@ def generate(
         draft_ids = proposal.ids  # [K]
         n_drafted = draft_ids.numel()
         verify = getattr(drafter, "verify", None)
-        logits = verify(state, draft_ids.tolist()) if verify else state.verify(draft_ids.tolist())  # [K+1, V]
+        draft_list = draft_ids.tolist()
+        logits = verify(state, draft_list) if verify else state.verify(draft_list)  # [K+1, V]
         p = logits_to_probs(logits, params)  # [K+1, V]
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
         verdict = rule(draft_ids, q, p, generator, params.greedy)
         n = verdict.accepted
         if adaptive:
             adaptive.update(drafter.name, n_drafted, n)
-        new = [*draft_ids[:n].tolist(), verdict.next_token]
+        new = [*draft_list[:n], verdict.next_token]
 
         stop_reason = None
         for i, tok in enumerate(new):
@@ -176,7 +179,7 @@ def generate(
             draft_calls=proposal.calls,
             draft_s=t1 - t0,
             verify_s=t2 - t1,
-            rejected=draft_ids[n:].tolist(),
+            rejected=draft_list[n:],
             exact=rule.exact,
             stop_reason=stop_reason,
             prefill_s=prefill_s if round_index == 0 else 0.0,
