@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from specchat.decoding.cache import forward_logits, new_cache
+from specchat.engine.cache import forward_logits, new_cache
 from specchat.models import load_model
 
 

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.cache import forward_logits, new_cache
-from specchat.decoding.drafters.plain import PlainDecoding
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.cache import forward_logits, new_cache
+from specchat.engine.drafters.plain import PlainDecoding
 from specchat.models import load_model, pick_device, pick_dtype
 
 

@@ -1,5 +1,5 @@
 """`python -m specchat` is the `specchat` command."""
 
-from specchat.cli import main
+from specchat.cli.main import main
 
 main()

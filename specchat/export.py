@@ -1,7 +1,7 @@
 """Session export: JSON (configuration, every turn, round and token, per-mode summaries) and CSV (one row per round).
 
-Both files are written atomically (a temporary file in the same directory, then os.replace), so an
-export interrupted by a crash never leaves a half-written file where a good one was.
+Both files are written atomically (store.write_atomic), so an export interrupted by a crash never leaves
+a half-written file where a good one was. Without a path they go to the user data folder (store.exports_dir).
 """
 
 from __future__ import annotations
@@ -10,14 +10,12 @@ import csv
 import io
 import json
 import math
-import os
-import platform
-import tempfile
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
+from specchat.machine import hardware_info
+from specchat.store import exports_dir, write_atomic
 
 FORMAT = "specchat-session/1"
 
@@ -26,36 +24,6 @@ CSV_COLUMNS = [
     "draft_ms", "verify_ms", "wall_ms", "prefill_ms", "exact", "stop_reason",
     "temperature", "top_k", "top_p", "text",
 ]
-
-
-def hardware_info(device_label: str = "") -> dict:
-    """What the numbers were measured on: every reported result must carry the hardware."""
-    info = {
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "system": f"{platform.system()} {platform.release()}",
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover - a dependency, always present in practice
-        pass
-    if torch.cuda.is_available() and (device_label.startswith("cuda") or not device_label):
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def _model_device_dtype(session) -> tuple[str, str]:
-    model = getattr(session.target, "model", None)
-    try:
-        return str(model.device), str(model.dtype).removeprefix("torch.")
-    except AttributeError:
-        return "", ""
 
 
 def _token(t) -> dict:
@@ -77,13 +45,17 @@ def _round(r, sampling) -> dict:
     }
 
 
-def session_data(session, *, device_label: str = "", dtype_label: str = "") -> dict:
+def mode_summary(snapshot, mode: str) -> dict:
+    """A mode's statistics and, beside them, the predicted speedup over plain decoding (metrics.SpeedupModel)."""
+    model = snapshot.speedup(mode)
+    return {**snapshot.stats[mode].summary(), "speedup_model": model.as_dict() if model else None}
+
+
+def session_data(session) -> dict:
     """Everything an export holds, read under the session's lock so a streaming reply cannot tear it."""
     with session.lock:
+        snapshot = session.snapshot()
         turns = [(t, list(t.rounds), list(t.sampling)) for t in session.turns]
-        stats = {mode: s.summary() for mode, s in session.stats.items()}
-        total = session.total.summary()
-        controls = session.controls
         turn_dicts = []
         for i, (turn, rounds, sampling) in enumerate(turns):
             sampling += [None] * (len(rounds) - len(sampling))
@@ -94,7 +66,6 @@ def session_data(session, *, device_label: str = "", dtype_label: str = "") -> d
                 "rounds": [_round(r, s) for r, s in zip(rounds, sampling)],
             })
     all_rounds = [r for _, rounds, _ in turns for r in rounds]
-    device, dtype = _model_device_dtype(session)
     sampling_used = []
     for _, _, sampling in turns:
         for s in sampling:
@@ -103,14 +74,14 @@ def session_data(session, *, device_label: str = "", dtype_label: str = "") -> d
     config = {
         "target": session.target.name,
         "draft": session.draft.name if session.draft is not None else None,
-        "device": device_label or device,
-        "dtype": dtype_label or dtype,
-        "hardware": hardware_info(device_label or device),
-        "mode": controls.mode,
-        "draft_len": controls.k,
-        "sampling": asdict(controls.sampling),
-        "acceptance_rule": getattr(controls.rule, "name", str(controls.rule)),
-        "exact": all(r.exact for r in all_rounds) if all_rounds else bool(getattr(controls.rule, "exact", True)),
+        "device": session.device_label,
+        "dtype": session.dtype_label,
+        "hardware": hardware_info(session.device_label, session.dtype_label),
+        "mode": snapshot.mode,
+        "draft_len": snapshot.k,
+        "sampling": asdict(snapshot.sampling),
+        "acceptance_rule": snapshot.rule,
+        "exact": all(r.exact for r in all_rounds) if all_rounds else snapshot.exact,
         "seed": session.seed,
         "max_new_tokens": session.max_new_tokens,
         "modes_used": list(dict.fromkeys(r.mode for r in all_rounds)),
@@ -121,7 +92,7 @@ def session_data(session, *, device_label: str = "", dtype_label: str = "") -> d
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": config,
-        "summary": {"total": total, "modes": stats},
+        "summary": {"total": snapshot.total.summary(), "modes": {m: mode_summary(snapshot, m) for m in snapshot.stats}},
         "turns": turn_dicts,
     }
 
@@ -152,28 +123,6 @@ def export_paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".json"), path.with_name(path.name + ".csv")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _finite(obj):
     """NaN and infinity are not JSON: write them as null."""
     if isinstance(obj, float):
@@ -185,9 +134,9 @@ def _finite(obj):
     return obj
 
 
-def write_export(session, path: Path, *, device_label: str = "", dtype_label: str = "") -> tuple[Path, Path]:
+def write_export(session, path: Path) -> tuple[Path, Path]:
     """Write the session as JSON and CSV; returns both paths."""
-    data = session_data(session, device_label=device_label, dtype_label=dtype_label)
+    data = session_data(session)
     json_path, csv_path = export_paths(path)
     write_atomic(json_path, json.dumps(_finite(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n")
     write_atomic(csv_path, rounds_csv(data))
@@ -195,5 +144,5 @@ def write_export(session, path: Path, *, device_label: str = "", dtype_label: st
 
 
 def default_export_path() -> Path:
-    """F9 without --export: a timestamped file in the current directory."""
-    return Path.cwd() / f"specchat-session-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    """F9 without --export: a timestamped file in the user data folder (never the source tree)."""
+    return exports_dir() / f"specchat-session-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

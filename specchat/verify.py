@@ -99,7 +99,7 @@ def sample_continuations(
 
     The target state is reused between draws, so the prompt is encoded once.
     """
-    from specchat.decoding.loop import generate
+    from specchat.engine.loop import generate
 
     counts: Counter = Counter()
     for _ in range(draws):
@@ -118,9 +118,9 @@ def run_verify(session, prompt: list[int], *, samples: int, length: int, alpha: 
     Exact rules get a verdict from a chi-square homogeneity test at level `alpha`; an approximate
     rule gets the measured total-variation distance instead of a verdict.
     """
-    from specchat.decoding.drafters.plain import PlainDecoding
-    from specchat.decoding.loop import Controls
-    from specchat.decoding.stats import Stats
+    from specchat.engine.drafters.plain import PlainDecoding
+    from specchat.engine.loop import Controls
+    from specchat.engine.metrics import Stats
 
     speculative = session.controls
     plain = Controls(PlainDecoding(), k=0, sampling=speculative.sampling)

@@ -7,36 +7,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import pytest
 import torch
 
+from helpers import tiny_llama
+
 # One intra-op thread: the tiny models gain nothing from two, and on a machine shared with other work
 # two OpenMP threads spin-wait for each other (measured: a SmolLM2 step 20x slower under load).
 torch.set_num_threads(1)
-from transformers import LlamaConfig, LlamaForCausalLM
-
-TINY_VOCAB = 12
-
-
-def tiny_llama(seed: int, layers: int = 1, vocab: int = TINY_VOCAB, sharpen: float = 4.0, **overrides):
-    """A randomly initialised Llama small enough for thousands of draws; `sharpen` scales the LM head
-    so its distributions are peaked like a real model's (near-uniform ones would hide a bias)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        **overrides,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +23,25 @@ def tiny_target():
 def tiny_draft():
     """A different random model over the same vocabulary: it disagrees with the target often."""
     return tiny_llama(seed=1, layers=1)
+
+
+@pytest.fixture(scope="session")
+def deep_target():
+    """Four layers, so there is something to skip and somewhere to exit. With the default init each layer
+    changes little, so drafts mostly agree (greedy: full blocks and bonuses as well as rejections)."""
+    return tiny_llama(seed=0, layers=4).requires_grad_(False)  # as load_model leaves a model
+
+
+@pytest.fixture(scope="session")
+def rough_target():
+    """Four layers with a 5x larger init: each layer matters, drafts disagree (sampled acceptance ~0.25-0.6),
+    so the distribution tests see many residual draws and the broken-rule control fails clearly."""
+    return tiny_llama(seed=0, layers=4, initializer_range=0.1).requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real default model (SmolLM2-135M-Instruct), loaded once for the whole run."""
+    from specchat.models import load_model
+
+    return load_model(None, torch.device("cpu"), torch.float32)

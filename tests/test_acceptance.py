@@ -1,9 +1,9 @@
-"""Numerical edges of sampling and the exact rule (DESIGN.md section 3)."""
+"""Numerical edges of sampling and the exact rule: q(x) = 0, underflow, a vanishing residual, greedy ties."""
 
 import torch
 
-from specchat.decoding.acceptance import EXACT, draw_next
-from specchat.decoding.sampling import SamplingParams, logits_to_probs
+from specchat.engine.acceptance import EXACT, draw_next
+from specchat.engine.sampling import SamplingParams, logits_to_probs
 
 
 def test_greedy_is_one_hot_at_argmax_in_float32():

@@ -6,15 +6,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import tiny_llama
-from selfspec_helpers import one_thread  # noqa: F401  (fixture)
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.drafters import ModeUnavailable, build_drafter
-from specchat.decoding.drafters.model import ModelDrafter
-from specchat.decoding.loop import AdaptiveK
+from helpers import tiny_llama
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.loop import AdaptiveK
 from specchat.verify import goodness_of_fit
-from test_exactness import ALPHA, PROMPT, exact_joint
-from tiny_model import tiny_model_dir
+from helpers import ALPHA, PROMPT, exact_joint
+from helpers import tiny_model_dir
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +90,7 @@ def test_switching_modes_every_round_keeps_greedy_output(deep, tiny_draft):
 
 
 def test_cli_adaptive_flag(tmp_path):
-    from specchat.cli import main
+    from specchat.cli.main import main
 
     target = tiny_model_dir(tmp_path / "tiny")
     args = ["generate", "--target", str(target), "--prompt", "write a short story", "--format", "json", "--max-new-tokens", "30",
@@ -137,7 +136,7 @@ def test_confidence_stop_keeps_the_distribution():
 
 @pytest.mark.slow
 def test_default_model_switching_and_adaptive_keep_greedy_output():
-    from selfspec_helpers import chat_ids
+    from helpers import chat_ids
     from specchat.models import load_model
 
     smol = load_model(None, torch.device("cpu"), torch.float32)

@@ -6,15 +6,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import tiny_llama
-from selfspec_helpers import one_thread  # noqa: F401  (fixture)
-from specchat.decoding import SamplingParams
-from specchat.decoding.acceptance import EXACT, LenientRule, parse_rule
-from specchat.decoding.drafters.model import ModelDrafter
-from specchat.decoding.stats import Stats
+from helpers import tiny_llama
+from specchat.engine import SamplingParams
+from specchat.engine.acceptance import EXACT, LenientRule, parse_rule
+from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.metrics import Stats
 from specchat.verify import goodness_of_fit
-from test_exactness import ALPHA, PROMPT, exact_joint, run, sample_joint
-from tiny_model import tiny_model_dir
+from helpers import ALPHA, PROMPT, exact_joint, run, sample_joint
+from helpers import tiny_model_dir
 
 
 def test_parse_rule():
@@ -63,7 +62,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def invoke(*args):
-    from specchat.cli import main
+    from specchat.cli.main import main
 
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 

@@ -5,12 +5,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import specchat.cli  # noqa: F401  (registers `bench` on the main group)
 from specchat.bench import runner
-from specchat.cli import main
-from specchat.decoding.events import RoundRecord
-from specchat.decoding.stats import Stats, expected_tokens_per_round, predicted_speedup
-from tiny_model import tiny_model_dir
+from specchat.cli.main import main
+from specchat.engine.events import RoundRecord
+from specchat.engine.metrics import Stats, expected_tokens_per_round, predicted_speedup
+from helpers import tiny_model_dir
 
 CONFIG_FIELDS = {
     "config", "mode", "k", "temperature", "accept", "exact", "peer", "generations", "new_tokens", "tokens_per_s",
@@ -19,7 +18,7 @@ CONFIG_FIELDS = {
 ENGINE_FIELDS = {
     "acceptance_rate", "mean_accepted_length", "target_calls_per_token", "draft_calls_per_token",
     "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "overhead_ms_per_round",
-    "plain_step_ms", "draft_cost", "verify_cost", "predicted_speedup", "measured_over_predicted", "predicted_from_length",
+    "plain_step_ms", "draft_cost", "verify_cost", "predicted_speedup", "measured_over_predicted",
 }
 RUN_FIELDS = {"config", "mode", "k", "temperature", "prompt", "repeat", "tokens", "new_tokens", "e2e_s",
               "e2e_tokens_per_s", "tokens_per_s", "time_to_first_token_s", "memory_mb", "text"}
@@ -149,7 +148,6 @@ def test_bench_predict_uses_measured_costs():
     expected = (1 - 0.5**5) / 0.5 / (4 * 0.1 + 1.3)
     assert out["predicted_speedup"] == pytest.approx(expected)
     assert out["measured_over_predicted"] == pytest.approx(1.0 / expected)
-    assert out["predicted_from_length"] == pytest.approx(3 / 1.7)  # 2 accepted + 1 emitted per round
 
 
 def test_peers_follow_the_requested_modes():
@@ -211,14 +209,8 @@ def test_bad_prompts_file(no_loading, tmp_path):
     assert 'non-empty "prompt"' in invoke("--prompts", bad).output
 
 
-def test_unbuilt_mode_fails_before_loading(no_loading, monkeypatch):
-    monkeypatch.setattr("specchat.bench.command.mode_built", lambda mode: mode in ("off", "draft"))
-    result = invoke("--modes", "off,lowrank")
-    assert result.exit_code != 0 and "mode 'lowrank' is not available yet" in result.output
-
-
 def test_builtin_prompts_cover_the_workload():
-    from specchat.bench.command import read_prompts
+    from specchat.cli.bench import read_prompts
 
     kinds = {p["kind"] for p in read_prompts("builtin")}
     assert {"chat", "code", "summarise", "repetition"} <= kinds

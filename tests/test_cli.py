@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specchat.cli import main
+from specchat.cli.main import main
 from specchat.models import resolve
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,7 @@ def test_empty_and_too_long_prompts():
 
 
 def test_mismatched_tokenizers_are_refused(tmp_path):
-    from tiny_model import tiny_model_dir
+    from helpers import tiny_model_dir
 
     r = invoke("generate", "--prompt", "hi", "--draft", tiny_model_dir(tmp_path / "tiny"))
     assert r.exit_code == 1 and "have different tokenizers" in r.output and "Traceback" not in r.output
@@ -117,7 +117,7 @@ def test_padded_embeddings_with_one_tokenizer_are_accepted(tmp_path):
     """Like Qwen's 0.5B/1.5B pair: the same tokenizer, embedding matrices of different sizes."""
     from transformers import AutoModelForCausalLM
 
-    from tiny_model import tiny_model_dir
+    from helpers import tiny_model_dir
 
     target = tiny_model_dir(tmp_path / "target", seed=0)
     draft = tiny_model_dir(tmp_path / "draft", seed=1, layers=1)

@@ -6,15 +6,17 @@ import itertools
 import pytest
 import torch
 
-from selfspec_helpers import SMOL_PROMPTS, chat_ids, deep_target, one_thread, rough_target, smol  # noqa: F401
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.cache import forward_logits, new_cache
-from specchat.decoding.drafters import ModeUnavailable, build_drafter
-from specchat.decoding.drafters.earlyexit import EarlyExitDrafter, builtin_exit
-from specchat.decoding.drafters.model import ModelDrafter
-from specchat.decoding.drafters.plain import PlainDecoding
-from specchat.decoding.tuned import save_tuned
-from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, goodness_of_fit, run, sample_joint
+from helpers import SMOL_PROMPTS, chat_ids
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.cache import forward_logits, new_cache
+from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.drafters.earlyexit import EarlyExitDrafter, builtin_exit
+from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.drafters.plain import PlainDecoding
+from specchat.session import drafter_options
+from specchat.store import save_tuned
+from specchat.verify import goodness_of_fit
+from helpers import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, run, sample_joint
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
@@ -115,10 +117,13 @@ def test_switching_modes_keeps_the_distribution(rough_target):
 
 def test_default_exit_layer_tuned_then_builtin(deep_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
-    assert EarlyExitDrafter.build(deep_target).exit_layer == builtin_exit(4)
+    def build(**options):
+        return EarlyExitDrafter.build(deep_target, **drafter_options(deep_target, "earlyexit", options))
+
+    assert build().exit_layer == builtin_exit(4)
     save_tuned(deep_target, "earlyexit", {"exit_layer": 1})
-    assert EarlyExitDrafter.build(deep_target).exit_layer == 1
-    assert EarlyExitDrafter.build(deep_target, exit_layer=3).exit_layer == 3
+    assert build().exit_layer == 1
+    assert build(exit_layer=3).exit_layer == 3
     with pytest.raises(ModeUnavailable, match="exit-layer"):
         EarlyExitDrafter.build(deep_target, exit_layer=4)
 

@@ -3,37 +3,12 @@
 import pytest
 import torch
 
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
-from specchat.decoding.cache import forward_logits, new_cache
-from specchat.decoding.drafters.model import ModelDrafter
-from specchat.decoding.drafters.plain import PlainDecoding
-from specchat.decoding.sampling import logits_to_probs
-from specchat.verify import goodness_of_fit, sample_continuations
-
-PROMPT = [1, 2, 3]
-ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the chance a correct rule fails
-
-
-def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None):
-    state = state or TargetState(target)
-    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
-    generator = torch.Generator().manual_seed(seed)
-    records = list(generate(state, prompt, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=generator))
-    return [t.id for r in records for t in r.tokens], records
-
-
-class ResampleFromP(ExactRule):
-    """Deliberately broken: the right acceptance test, but a rejection resamples from p, not the residual."""
-
-    exact = False
-
-    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
-        px, qx = draft_token_probs(draft_ids, q, p)
-        accept_probs = (px / qx).clamp(max=1.0)
-        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
-        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=False), accept_probs)
-
+from helpers import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, run, sample_joint
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.cache import forward_logits, new_cache
+from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.drafters.plain import PlainDecoding
+from specchat.verify import goodness_of_fit
 
 # ---------------------------------------------------------------- greedy identity
 
@@ -97,34 +72,6 @@ def test_seed_makes_sampling_reproducible(tiny_target, tiny_draft):
 
 
 # ---------------------------------------------------------------- distribution tests
-
-
-def exact_joint(target, prompt, params, length):
-    """Enumerate the target's exact distribution over its first `length` tokens: {tuple: prob}."""
-    dist = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for prefix, mass in dist.items():
-            logits = forward_logits(target, new_cache(target), prompt + list(prefix), keep=1)[-1]
-            for tok, p in enumerate(logits_to_probs(logits, params).tolist()):
-                if p > 0:
-                    nxt[prefix + (tok,)] = mass * p
-        dist = nxt
-    return dist
-
-
-def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0):
-    """`draws` independent generations of `length` tokens from PROMPT (the prefix cache is reused)."""
-    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
-    generator = torch.Generator().manual_seed(seed)
-    return sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=length, eos_ids=set(), generator=generator)
-
-
-SAMPLING_CASES = {
-    "t1": SamplingParams(1.0),
-    "t0.7-topk5": SamplingParams(0.7, top_k=5),
-    "topp0.8": SamplingParams(1.0, top_p=0.8),
-}
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))

@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from specchat import export
-from specchat.export import CSV_COLUMNS, export_paths, session_data, write_atomic, write_export
-from test_tui_fake import REPLY, FakeSession
+from specchat import store
+from specchat.export import CSV_COLUMNS, export_paths, session_data, write_export
+from specchat.store import write_atomic
+from helpers import REPLY, FakeSession
 
 
 def test_export_paths_put_the_csv_beside_the_json(tmp_path):
@@ -24,12 +25,12 @@ def test_export_holds_every_turn_round_and_token(tmp_path):
     list(session.reply("one"))
     session.set_mode("off")
     list(session.reply("two"))
-    json_path, csv_path = write_export(session, tmp_path / "s.json", device_label="cpu", dtype_label="bfloat16")
+    json_path, csv_path = write_export(session, tmp_path / "s.json")
     data = json.loads(json_path.read_text())
     assert data["format"] == "specchat-session/1"
     assert data["config"]["modes_used"] == ["lookup", "off"]
     assert data["config"]["draft_lengths"] == sorted({r.draft_len for t in session.turns for r in t.rounds})
-    assert data["config"]["draft_len"] == 3 and data["config"]["dtype"] == "bfloat16"
+    assert data["config"]["draft_len"] == 3 and data["config"]["dtype"] == "float32"
     assert set(data["summary"]["modes"]) == {"lookup", "off"}
     assert data["summary"]["modes"]["off"]["num_draft_tokens"] == 0
     tokens = [t for turn in data["turns"] for r in turn["rounds"] for t in r["tokens"]]
@@ -68,7 +69,7 @@ def test_write_is_atomic_the_old_file_survives_a_failed_write(tmp_path, monkeypa
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export.os, "replace", fail)
+    monkeypatch.setattr(store.os, "replace", fail)
     with pytest.raises(OSError):
         write_atomic(path, "new")
     assert path.read_text() == "old"

@@ -4,12 +4,14 @@ tuned defaults, unsupported models, and the default model."""
 import pytest
 import torch
 
-from selfspec_helpers import SMOL_PROMPTS, chat_ids, deep_target, one_thread, rough_target, smol  # noqa: F401
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.drafters import ModeUnavailable, build_drafter
-from specchat.decoding.drafters.layerskip import LayerSkipDrafter, builtin_skip
-from specchat.decoding.tuned import save_tuned
-from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, goodness_of_fit, run, sample_joint
+from helpers import SMOL_PROMPTS, chat_ids
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.drafters.layerskip import LayerSkipDrafter, builtin_skip
+from specchat.session import drafter_options
+from specchat.store import save_tuned
+from specchat.verify import goodness_of_fit
+from helpers import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, run, sample_joint
 
 
 @pytest.mark.parametrize("skip", [[1], [0, 2], [3]])
@@ -54,10 +56,13 @@ def test_distribution_test_catches_a_broken_rule(rough_target):
 
 def test_default_skip_set_tuned_then_builtin(deep_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
-    assert LayerSkipDrafter.build(deep_target).skip_layers == builtin_skip(4)
+    def build(**options):
+        return LayerSkipDrafter.build(deep_target, **drafter_options(deep_target, "layerskip", options))
+
+    assert build().skip_layers == builtin_skip(4)
     save_tuned(deep_target, "layerskip", {"skip_layers": [0, 3], "k": 3})
-    assert LayerSkipDrafter.build(deep_target).skip_layers == [0, 3]
-    assert LayerSkipDrafter.build(deep_target, skip_layers=[2]).skip_layers == [2]  # --skip-layers wins
+    assert build().skip_layers == [0, 3]
+    assert build(skip_layers=[2]).skip_layers == [2]  # --skip-layers wins
 
 
 def test_unavailable_cases(deep_target):

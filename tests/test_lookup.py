@@ -3,13 +3,12 @@
 import pytest
 import torch
 
-from conftest import tiny_llama
-from selfspec_helpers import one_thread  # noqa: F401  (fixture)
-from specchat.decoding import Controls, SamplingParams, TargetState
-from specchat.decoding.drafters import build_drafter
-from specchat.decoding.drafters.lookup import LookupDrafter
+from helpers import tiny_llama
+from specchat.engine import Controls, SamplingParams, TargetState
+from specchat.engine.drafters import build_drafter
+from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.verify import goodness_of_fit, sample_continuations
-from test_exactness import ALPHA, ResampleFromP, exact_joint, run
+from helpers import ALPHA, ResampleFromP, exact_joint, run
 
 # "1 2" occurs earlier, followed by "3 1 2 ...": lookup drafts from the first round on
 REPEATING = [1, 2, 3, 1, 2]
@@ -68,8 +67,8 @@ def test_distribution_test_catches_a_broken_rule_with_one_hot_q(target):
 
 @pytest.mark.slow
 def test_default_model_greedy_matches_hf_generate():
-    from selfspec_helpers import SMOL_PROMPTS, chat_ids
-    from specchat.decoding import generate
+    from helpers import SMOL_PROMPTS, chat_ids
+    from specchat.engine import generate
     from specchat.models import load_model
 
     smol = load_model(None, torch.device("cpu"), torch.float32)

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from selfspec_helpers import SMOL_PROMPTS, chat_ids, one_thread, rough_target, smol  # noqa: F401  (fixtures)
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.drafters import ModeUnavailable, build_drafter
-from specchat.decoding.drafters import lowrank
-from specchat.decoding.tuned import save_tuned
+from helpers import SMOL_PROMPTS, chat_ids
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.drafters import lowrank
+from specchat.session import drafter_options
+from specchat.store import save_tuned
 from specchat.verify import goodness_of_fit
-from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
+from helpers import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
 
 
 @pytest.fixture(autouse=True)
@@ -64,24 +65,30 @@ def test_draft_shares_weights_and_target_is_untouched(rough_target):
         assert torch.equal(p, before[n]), n
 
 
+def lowrank_drafter(model, **options):
+    """As a session builds it: tuned rank, factors kept in the user cache."""
+    return build_drafter("lowrank", model, **drafter_options(model, "lowrank", options))
+
+
 def test_factors_are_cached_on_disk_per_rank(rough_target, cache_dir, monkeypatch):
-    first = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    first = lowrank_drafter(rough_target, rank=2, calibration=32)
     files = list(cache_dir.rglob("*.safetensors"))
     assert len(files) == 1
     monkeypatch.setattr(lowrank, "factorize", lambda *a: pytest.fail("factors should come from the disk cache"))
-    again = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    again = lowrank_drafter(rough_target, rank=2, calibration=32)
     a1 = first.model.model.layers[1].mlp.up_proj.a
     assert torch.equal(a1, again.model.model.layers[1].mlp.up_proj.a)
     monkeypatch.undo()
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(cache_dir))
-    build_drafter("lowrank", rough_target, rank=3, calibration=32)
+    lowrank_drafter(rough_target, rank=3, calibration=32)
     assert len(list(cache_dir.rglob("*.safetensors"))) == 2
+    assert not list(cache_dir.rglob("*.tmp"))  # written atomically
 
 
 def test_default_rank_comes_from_tune_then_builtin(rough_target):
-    assert build_drafter("lowrank", rough_target, calibration=32).rank == lowrank.DEFAULT_RANK
+    assert lowrank_drafter(rough_target, calibration=32).rank == lowrank.DEFAULT_RANK
     save_tuned(rough_target, "lowrank", {"rank": 3})
-    assert build_drafter("lowrank", rough_target, calibration=32).rank == 3
+    assert lowrank_drafter(rough_target, calibration=32).rank == 3
 
 
 def test_full_rank_is_unavailable(rough_target):
@@ -108,4 +115,4 @@ def test_default_model_greedy_matches_hf_generate(smol, text):
     controls = Controls(drafter, k=4, sampling=SamplingParams(0))
     records = list(generate(state, prompt, controls, max_new_tokens=24, eos_ids={smol.model.generation_config.eos_token_id}))
     out = [t.id for r in records for t in r.tokens]
-    assert out == ref[0, len(prompt):].tolist()  # (acceptance at this rank is low: see RESULTS-modes-b.md)
+    assert out == ref[0, len(prompt):].tolist()  # (acceptance at this rank is low: see benchmarks/RESULTS.md)

@@ -5,12 +5,12 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_llama
-from selfspec_helpers import SMOL_PROMPTS, chat_ids, one_thread, rough_target, smol  # noqa: F401  (fixtures)
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.drafters import ModeUnavailable, build_drafter
+from helpers import tiny_llama
+from helpers import SMOL_PROMPTS, chat_ids
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.verify import goodness_of_fit
-from test_exactness import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
+from helpers import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
 
 
 @pytest.mark.parametrize("k", [2, 5])

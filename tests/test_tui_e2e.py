@@ -12,7 +12,7 @@ import pytest
 import torch
 from textual.widgets import Input
 
-from specchat.decoding import SamplingParams
+from specchat.engine import SamplingParams
 from specchat.tui.app import SpecChatApp
 from specchat.tui.widgets import ReplyView
 
@@ -39,11 +39,11 @@ async def test_chat_with_the_default_model(default_model, tmp_path):
 
     session = Session(default_model, mode="off", k=3, sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=12)
     path = tmp_path / "e2e.json"
-    app = SpecChatApp(session, export_path=path, device_label="cpu", dtype_label="float32")
+    app = SpecChatApp(session, export_path=path)
     async with app.run_test(size=(120, 40)) as pilot:
         app.query_one("#prompt", Input).value = "What is the capital of France?"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.reply_stats.rounds >= 2)
+        await wait_for(pilot, lambda: app.snapshot.reply.rounds >= 2)
         # switch mid-reply to a mode the engine has; one it lacks must give a notice, not a crash
         await pilot.press("f8")
         await wait_for(pilot, lambda: app.pending_mode is None)
@@ -74,7 +74,7 @@ async def test_chat_with_the_default_model(default_model, tmp_path):
 
 
 def test_next_turn_continues_the_exact_ids_so_the_whole_cache_is_reused(default_model):
-    from specchat.decoding.cache import common_prefix
+    from specchat.engine.cache import common_prefix
     from specchat.session import Session
 
     session = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=10)

@@ -11,7 +11,7 @@ import pytest
 from textual.widgets import Input
 
 from specchat.tui.app import SpecChatApp
-from test_tui_fake import FakeSession
+from helpers import FakeSession
 
 
 async def mid_reply(pilot) -> None:
@@ -22,7 +22,7 @@ async def mid_reply(pilot) -> None:
     await pilot.press("enter")
     app.session.release(3)
     deadline = time.monotonic() + 10
-    while app.reply_stats.rounds < 3:
+    while app.snapshot.reply.rounds < 3:
         assert time.monotonic() < deadline, "the fake session did not stream"
         await pilot.pause(0.01)
     app.redraw_reply()  # replies redraw on a 0.1 s timer while streaming: draw it now
@@ -36,5 +36,5 @@ async def mid_reply(pilot) -> None:
 
 @pytest.mark.parametrize("theme", ["dark", "light", "colorblind"])
 def test_main_screen_mid_reply(snap_compare, theme):
-    app = SpecChatApp(FakeSession(gated=True), theme=theme, device_label="cpu", dtype_label="float32")
+    app = SpecChatApp(FakeSession(gated=True), theme=theme)
     assert snap_compare(app, terminal_size=(130, 42), run_before=mid_reply)

@@ -6,12 +6,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from selfspec_helpers import deep_target, one_thread  # noqa: F401
-from specchat.decoding import SamplingParams
-from specchat.decoding.drafters import build_drafter
-from specchat.decoding.drafters.layers import Decoder
-from specchat.tuning import Costs, matches, reference, replay, tune_model
-from test_exactness import run
+from specchat.engine import SamplingParams
+from specchat.engine.drafters import build_drafter
+from specchat.engine.drafters.layers import Decoder
+from specchat.tune.search import Costs, matches, reference, replay, tune_model
+from helpers import run
 
 COSTS = Costs(head=0.1, layer=0.2, verify={k: 1 + 0.05 * k for k in range(1, 9)})
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
@@ -51,11 +50,11 @@ def test_tune_is_deterministic_for_a_seed(deep_target, mode):
 
 
 def test_tune_command_saves_the_default(tmp_path, monkeypatch):
-    from tiny_model import tiny_model_dir
+    from helpers import tiny_model_dir
 
-    from specchat.cli import main
-    from specchat.decoding.drafters.layerskip import LayerSkipDrafter
+    from specchat.cli.main import main
     from specchat.models import load_model
+    from specchat.session import Session
 
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
     model_dir = tiny_model_dir(tmp_path / "tiny", layers=4)
@@ -66,13 +65,14 @@ def test_tune_command_saves_the_default(tmp_path, monkeypatch):
     saved = json.loads(next((tmp_path / "cache" / "tuned").glob("*.json")).read_text())
     import torch
 
-    model = load_model(str(model_dir), torch.device("cpu"), torch.float32).model
-    assert LayerSkipDrafter.build(model).skip_layers == saved["layerskip"]["skip_layers"]
+    loaded = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    session = Session(loaded, mode="layerskip")  # a session picks up the saved setting
+    assert session.drafter("layerskip").skip_layers == saved["layerskip"]["skip_layers"]
     assert saved["layerskip"]["seed"] == 1
 
 
 def test_tune_lowrank_says_when_unavailable(deep_target):
-    from specchat.decoding.drafters import ModeUnavailable
+    from specchat.engine.drafters import ModeUnavailable
 
     try:
         build_drafter("lowrank", deep_target, rank=0.5)

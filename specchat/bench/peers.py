@@ -12,7 +12,8 @@ import copy
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from specchat.decoding.loop import clock
+from specchat.engine.loop import clock
+from specchat.machine import memory_mb, reset_peak
 
 
 class TargetCallTimer(StoppingCriteria):
@@ -82,8 +83,6 @@ def early_exit_layer(ctx) -> int:
 
 @torch.inference_mode()
 def run_peer(ctx, cfg, ids: list[int], seed: int, max_new_tokens: int) -> dict:
-    from specchat.bench.runner import memory_mb, reset_peak
-
     model = ctx.target.model
     kwargs, k_holder = peer_kwargs(ctx, cfg.mode, cfg.k)
     input_ids = torch.tensor([ids], device=model.device)  # [1, S]

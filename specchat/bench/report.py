@@ -5,18 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specchat.bench.runner import PEER_OF
+from specchat.fmt import num as fmt
+from specchat.store import write_atomic
 
 PLOT_HINT = "speedup.png skipped: matplotlib is not installed (pip install 'specchat[plot]' or pip install matplotlib)"
-
-
-def fmt(v, digits: int = 3, scale: float = 1.0) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        v *= scale
-        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.{digits}g}"
-    return str(v)
 
 
 def fmt_spread(s: dict, scale: float = 1.0) -> str:
@@ -59,6 +51,8 @@ def quality_cell(row: dict, checks: dict) -> str:
 def markdown(results: dict) -> str:
     s, m, checks = results["settings"], results["machine"], results["checks"]
     hardware = m["gpu"] or f"{m['cpu']}, {m['cores']} cores" + (f", {m['memory_gb']} GB" if m.get("memory_gb") else "")
+    if m.get("load_average"):
+        hardware += f", load average {m['load_average'][0]} at the end"
     out = [
         "# specchat bench",
         "",
@@ -71,16 +65,15 @@ def markdown(results: dict) -> str:
         "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
         "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
         "predicted: E[tokens/round] / (K·c + v), E from the acceptance rate assumed i.i.d., c and v measured "
-        "(first rounds left out) relative to one plain target step; pred. from len: the same with the measured "
-        "tokens per round.",
+        "(first rounds left out) relative to one plain target step (docs/ARCHITECTURE.md).",
         "",
     ]
     rows = [r for r in results["configs"] if not r["peer"]]
     out.append(table(
-        ["config", "tok/s", "speedup", "predicted", "meas/pred", "pred. from len", "target calls/tok", "acceptance", "mean acc. len",
+        ["config", "tok/s", "speedup", "predicted", "meas/pred", "target calls/tok", "acceptance", "mean acc. len",
          "TTFT ms", "draft ms/round", "verify ms/round", "other ms/round", "c", "v", "memory MB (+drafter)", "quality"],
         [[r["config"], fmt_spread(r["tokens_per_s"]), fmt(r["speedup"]), fmt(r["predicted_speedup"]),
-          fmt(r["measured_over_predicted"]), fmt(r["predicted_from_length"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
+          fmt(r["measured_over_predicted"]), fmt(r["target_calls_per_token"]), fmt(r["acceptance_rate"]),
           fmt(r["mean_accepted_length"]), fmt_spread(r["time_to_first_token_s"], 1000), fmt(r["draft_ms_per_round"]),
           fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
           memory_cell(r), quality_cell(r, checks)] for r in rows],
@@ -114,31 +107,6 @@ def markdown(results: dict) -> str:
     for mode, why in results.get("skipped_modes", {}).items():
         out.append(f"- mode {mode} not measured: {why}")
     return "\n".join(out) + "\n"
-
-
-def peer_pairs(rows: list[dict]) -> list[dict]:
-    """Each HF peer beside the specchat configuration that does the same thing (if it was measured)."""
-    inverse = {v: k for k, v in PEER_OF.items()}
-    pairs = []
-    for r in rows:
-        if not r["peer"]:
-            continue
-        mode = inverse[r["mode"]]
-        ours = next((x for x in rows if not x["peer"] and x["mode"] == mode and x["k"] == r["k"]
-                     and x["temperature"] == r["temperature"] and x["accept"] == "exact"), None)
-        ratio = None
-        if ours and ours["e2e_tokens_per_s"]["median"] and r["e2e_tokens_per_s"]["median"]:
-            ratio = ours["e2e_tokens_per_s"]["median"] / r["e2e_tokens_per_s"]["median"]
-        pairs.append({
-            "specchat": ours["config"] if ours else None, "peer": r["config"], "ratio": ratio,
-            "specchat_e2e_tokens_per_s": ours["e2e_tokens_per_s"] if ours else None,
-            "peer_e2e_tokens_per_s": r["e2e_tokens_per_s"],
-            "specchat_e2e_speedup": ours["e2e_speedup"] if ours else None,
-            "peer_speedup": r["hf_speedup"],
-            "peer_target_calls_per_token": r["target_calls_per_token"],
-            "peer_time_to_first_token_s": r["time_to_first_token_s"],
-        })
-    return pairs
 
 
 def plot(results: dict, path: Path) -> bool:
@@ -180,7 +148,7 @@ def write(results: dict, out_dir: Path) -> tuple[str, str | None]:
     """Write the three outputs; returns the Markdown and a note when the plot was skipped."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(results)
-    (out_dir / "report.md").write_text(text)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_atomic(out_dir / "report.md", text)
+    write_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     note = None if plot(results, out_dir / "speedup.png") else PLOT_HINT
     return text, note

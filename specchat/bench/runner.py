@@ -6,16 +6,18 @@ noise of a shared machine over all configurations instead of letting it fall on 
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass, field
 
 import torch
 
-from specchat.decoding import Controls, SamplingParams, TargetState, generate
-from specchat.decoding.acceptance import parse_rule
-from specchat.decoding.loop import clock
-from specchat.decoding.stats import Stats, predicted_speedup
+from specchat.bench.peers import early_exit_layer, run_peer
+from specchat.engine import Controls, SamplingParams, TargetState, generate
+from specchat.engine.acceptance import parse_rule
+from specchat.engine.loop import clock
+from specchat.engine.metrics import Stats, speedup_model
+from specchat.machine import hardware_info, memory_mb, reset_peak
+from specchat.verify import run_verify
 
 WARMUP_TOKENS = 8
 
@@ -94,28 +96,6 @@ def build_configs(modes, ks, temperatures, accepts, *, peers: bool) -> list[Conf
     return configs
 
 
-def memory_mb(device: torch.device) -> float:
-    """Peak accelerator memory since the last reset on CUDA; the process's resident memory otherwise.
-
-    torch's CPU allocations bypass tracemalloc, so the resident set size (psutil) is what counts.
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**20
-    except ImportError:  # ru_maxrss: the process-lifetime high-water mark, in KiB on Linux
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def run_seed(ctx: Context, prompt_index: int, repeat: int) -> int:
     """The same seed for every configuration on one prompt and repeat, so sampled runs are paired."""
     return ctx.seed + 1000 * repeat + prompt_index
@@ -132,16 +112,14 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
     t0 = clock(ctx.device)
     records = list(generate(state, ids, controls, max_new_tokens=max_new_tokens, eos_ids=ctx.eos_ids, generator=generator))
     elapsed = clock(ctx.device) - t0
-    stats = Stats()
-    for r in records:
-        stats.add(r)
+    stats = Stats.of(records)
     tokens = [t.id for r in records for t in r.tokens]
     run = {
         "tokens": tokens,
         "new_tokens": len(tokens),
         "e2e_s": elapsed,
         "e2e_tokens_per_s": len(tokens) / elapsed if elapsed else None,
-        "tokens_per_s": stats.tokens_per_s,  # decode only (DESIGN.md section 4), prefill excluded
+        "tokens_per_s": stats.tokens_per_s,  # decode only, prefill excluded
         "time_to_first_token_s": stats.time_to_first_token_s,
         "stop_reason": records[-1].stop_reason if records else None,
         "memory_mb": memory_mb(ctx.device),
@@ -152,8 +130,6 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
 
 def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int, *, warmup: bool = False) -> dict:
     if cfg.is_peer:
-        from specchat.bench.peers import run_peer
-
         return run_peer(ctx, cfg, ids, seed, max_new_tokens)
     run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens)
     if not warmup:
@@ -237,32 +213,48 @@ def _overhead_ms(stats: Stats | None) -> float | None:
     """Round wall time spent outside the draft and verify timers (building token events, bookkeeping)."""
     if not stats or not stats.rounds:
         return None
-    return 1000 * (stats.wall_s - stats.draft_s - stats.verify_s) / stats.rounds
+    return 1000 * (stats.decode_s - stats.draft_s - stats.verify_s) / stats.rounds
 
 
 def predict(cfg: Config, stats: Stats | None, plain: Stats | None, measured: float | None) -> dict:
-    """DESIGN.md section 4: speedup = E[tokens/round] / (K*c + v), with c and v measured in this run
-    relative to one plain target step (mode off's verify time per round, same temperature).
+    """The speedup model (engine.metrics) with c and v measured in this run relative to one plain target
+    step (mode off at the same temperature).
 
     `stats` should leave out each generation's first round: a model drafter encodes the whole prompt
-    there, a one-off cost (it shows in TTFT) that is not the per-step cost the formula means.
+    there, a one-off cost (it shows in TTFT) that is not the per-step cost the model means.
     """
-    out = {"plain_step_ms": None, "draft_cost": None, "verify_cost": None, "predicted_speedup": None,
-           "measured_over_predicted": None, "predicted_from_length": None}
-    if cfg.mode == "off" or not stats or not plain or not plain.rounds or not stats.rounds:
-        return out
-    step_ms = plain.verify_ms_per_round
-    c = stats.draft_ms_per_round / (cfg.k * step_ms)  # per drafted position
-    v = stats.verify_ms_per_round / step_ms
-    a = stats.acceptance_rate or 0.0
-    pred = predicted_speedup(a, cfg.k, c, v)
-    # the same cost model with the measured tokens per round instead of the i.i.d. expectation: acceptance
-    # comes in runs, so the gap between the two predictions is burstiness, the rest is overhead
-    from_length = (stats.mean_accepted_length or 0.0) / (cfg.k * c + v)
-    out.update(plain_step_ms=step_ms, draft_cost=c, verify_cost=v, predicted_speedup=pred,
-               measured_over_predicted=measured / pred if measured and pred else None,
-               predicted_from_length=from_length)
-    return out
+    model = speedup_model(stats, plain.plain_step_s if plain else None) if cfg.mode != "off" else None
+    if model is None:
+        return {"plain_step_ms": None, "draft_cost": None, "verify_cost": None, "predicted_speedup": None,
+                "measured_over_predicted": None}
+    return {"plain_step_ms": 1000 * model.plain_step_s, "draft_cost": model.draft_cost, "verify_cost": model.verify_cost,
+            "predicted_speedup": model.predicted,
+            "measured_over_predicted": measured / model.predicted if measured and model.predicted else None}
+
+
+def peer_pairs(rows: list[dict]) -> list[dict]:
+    """Each HF peer beside the specchat configuration that does the same thing (if it was measured)."""
+    inverse = {v: k for k, v in PEER_OF.items()}
+    pairs = []
+    for r in rows:
+        if not r["peer"]:
+            continue
+        mode = inverse[r["mode"]]
+        ours = next((x for x in rows if not x["peer"] and x["mode"] == mode and x["k"] == r["k"]
+                     and x["temperature"] == r["temperature"] and x["accept"] == "exact"), None)
+        ratio = None
+        if ours and ours["e2e_tokens_per_s"]["median"] and r["e2e_tokens_per_s"]["median"]:
+            ratio = ours["e2e_tokens_per_s"]["median"] / r["e2e_tokens_per_s"]["median"]
+        pairs.append({
+            "specchat": ours["config"] if ours else None, "peer": r["config"], "ratio": ratio,
+            "specchat_e2e_tokens_per_s": ours["e2e_tokens_per_s"] if ours else None,
+            "peer_e2e_tokens_per_s": r["e2e_tokens_per_s"],
+            "specchat_e2e_speedup": ours["e2e_speedup"] if ours else None,
+            "peer_speedup": r["hf_speedup"],
+            "peer_target_calls_per_token": r["target_calls_per_token"],
+            "peer_time_to_first_token_s": r["time_to_first_token_s"],
+        })
+    return pairs
 
 
 # ---------------------------------------------------------------- quality checks
@@ -336,8 +328,6 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
     """`specchat verify`'s two-sample test for each exact mode and temperature > 0 (first K listed)."""
     from types import SimpleNamespace
 
-    from specchat.verify import run_verify
-
     done, out = set(), []
     for cfg in configs:
         if cfg.is_peer or cfg.mode == "off" or cfg.temperature == 0 or not cfg.exact or (cfg.mode, cfg.temperature) in done:
@@ -358,35 +348,21 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
     return out
 
 
-def machine_info(device: torch.device, dtype: torch.dtype) -> dict:
-    """What the numbers were measured on (the seed asks every result to carry its hardware)."""
-    import platform
-
-    import transformers
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+def results(ctx: Context, plan, opts: dict, configs: list[Config], prompts: list[Prompt], rows, checks, runs, dtype) -> dict:
+    """Everything `results.json` holds: settings, machine, prompts, per-configuration rows, checks, raw runs."""
+    return {
+        "settings": {
+            "target": ctx.target.name, "draft": ctx.draft.name if ctx.draft else None, "modes": list(ctx.drafters),
+            "draft_lens": plan.ks, "temperatures": plan.temperatures, "top_k": 0, "top_p": 1.0, "accept": plan.rules,
+            "prompts": opts["prompts_spec"], "max_new_tokens": ctx.max_new_tokens, "repeat": opts["repeat"],
+            "peers": opts["peers"], "seed": ctx.seed, "verify_samples": opts["verify_samples"],
+            "mode_options": plan.settings, "hf_early_exit_layer": early_exit_layer(ctx) if opts["peers"] else None,
+        },
+        "machine": hardware_info(ctx.device, dtype),
+        "prompts": [{"name": p.name, "kind": p.kind, "text": p.text, "prompt_tokens": len(p.ids)} for p in prompts],
+        "configs": rows,
+        "peers": peer_pairs(rows),
+        "checks": checks,
+        "skipped_modes": plan.skipped,
+        "runs": runs,
     }
-    try:
-        import psutil
-
-        info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
-        info["load_average"] = os.getloadavg()
-    except (ImportError, OSError):
-        pass
-    return info

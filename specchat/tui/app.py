@@ -24,15 +24,13 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Input, RichLog
 from textual.worker import get_current_worker
 
-from specchat.decoding.drafters import MODES, ModeUnavailable
-from specchat.decoding.events import RoundRecord
-from specchat.decoding.stats import Stats
+from specchat.engine.drafters import MODES, ModeUnavailable
+from specchat.engine.events import RoundRecord
 from specchat.export import default_export_path, write_export
-from specchat.session import PromptTooLong, Session
+from specchat.session import PromptTooLong, Session, Snapshot
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
 
-SPARK_ROUNDS = 40
 # While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
 # GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
 REPLY_INTERVAL_S = 0.1
@@ -42,11 +40,12 @@ TEMPERATURE_STEP = 0.1
 
 
 class RoundDone(Message):
-    """Posted by the generation thread after every round."""
+    """Posted by the generation thread after every round: the round for the reply view, and the session's
+    statistics right after it for the panel. The UI never reads the session's lock."""
 
-    def __init__(self, record: RoundRecord) -> None:
+    def __init__(self, record: RoundRecord, snapshot: Snapshot) -> None:
         super().__init__()
-        self.record = record
+        self.record, self.snapshot = record, snapshot
 
 
 class ReplyFinished(Message):
@@ -149,18 +148,14 @@ class SpecChatApp(App):
         *,
         theme: str | None = None,
         export_path: Path | None = None,
-        device_label: str = "",
-        dtype_label: str = "",
         theme_dirs: list[Path] | None = None,
     ) -> None:
         super().__init__()
         self.session = session
         self.export_path = Path(export_path) if export_path else None
-        self.device_label, self.dtype_label = device_label, dtype_label
         self.generating = False
         self.reply_view: ReplyView | None = None
-        self.reply_stats = Stats()
-        self.recent: list[float] = []
+        self.snapshot = session.snapshot()  # what the panel shows: the latest from RoundDone, or taken after a change
         self.unavailable: dict[str, str] = {}
         if session.draft is None:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
@@ -172,7 +167,7 @@ class SpecChatApp(App):
         self._log_handler: _LogHandler | None = None
         self._setup_themes(theme, theme_dirs)
         draft = f" + {session.draft.name}" if session.draft is not None else ""
-        where = " ".join(x for x in (device_label, dtype_label) if x)
+        where = " ".join(x for x in (session.device_label, session.dtype_label) if x)
         self.sub_title = f"{session.target.name}{draft}" + (f" · {where}" if where else "")
 
     # ------------------------------------------------------------------ setup
@@ -267,7 +262,6 @@ class SpecChatApp(App):
         self.reply_view.show_rejected = self.query_one(Legend).show_rejected
         conversation.mount(self.reply_view)
         conversation.anchor()
-        self.reply_stats = Stats()
         self.set_generating(True)
         self.generate_reply(text)
 
@@ -280,7 +274,7 @@ class SpecChatApp(App):
             # closing(): stopping early runs the session's finally block here, so the turn is recorded
             with closing(self.session.reply(text)) as rounds:
                 for record in rounds:
-                    self.post_message(RoundDone(record))
+                    self.post_message(RoundDone(record, self.session.snapshot()))
                     if worker.is_cancelled:
                         break
         except PromptTooLong as e:
@@ -292,16 +286,14 @@ class SpecChatApp(App):
 
     def on_round_done(self, message: RoundDone) -> None:
         record = message.record
-        self.reply_stats.add(record)
-        if record.drafted:
-            self.recent = [*self.recent, record.accepted / record.drafted][-SPARK_ROUNDS:]
+        self.snapshot = message.snapshot
         if self.reply_view is not None:
             rejected = [self.session.token_text(t) for t in record.rejected]
             self.reply_view.add_round(record, rejected)
             if self._reply_timer is None:
                 self._reply_timer = self.set_timer(REPLY_INTERVAL_S, self.redraw_reply)
         if self._panel_timer is None:
-            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, self.refresh_panel)
+            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, lambda: self.refresh_panel(retake=False))
 
     def redraw_reply(self) -> None:
         self._reply_timer = None
@@ -329,15 +321,15 @@ class SpecChatApp(App):
         self.generating = value
         self.refresh_bindings()
 
-    def refresh_panel(self) -> None:
+    def refresh_panel(self, *, retake: bool = True) -> None:
+        """Redraw the panel; `retake` takes a fresh snapshot (after a setting changed, or when idle)."""
         if self._panel_timer is not None:
             self._panel_timer.stop()
             self._panel_timer = None
+        if retake:
+            self.snapshot = self.session.snapshot()
         for panel in self.query(StatsPanel):  # none while the app shuts down
-            panel.show(
-                session=self.session, reply=self.reply_stats, recent=self.recent,
-                unavailable=self.unavailable, pending=self.pending_mode,
-            )
+            panel.show(self.snapshot, unavailable=self.unavailable, pending=self.pending_mode)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
@@ -439,7 +431,7 @@ class SpecChatApp(App):
     def action_export(self) -> None:
         path = self.export_path or default_export_path()
         try:
-            json_path, csv_path = write_export(self.session, path, device_label=self.device_label, dtype_label=self.dtype_label)
+            json_path, csv_path = write_export(self.session, path)
         except OSError as e:
             self.warn(f"Export failed: {e}", "error")
             return
@@ -474,19 +466,12 @@ class SpecChatApp(App):
         yield from super().get_system_commands(screen)
 
 
-def run_chat(
-    session: Session,
-    *,
-    theme: str | None = None,
-    export_path: Path | None = None,
-    device_label: str = "",
-    dtype_label: str = "",
-) -> None:
+def run_chat(session: Session, *, theme: str | None = None, export_path: Path | None = None) -> None:
     """Run the chat app on a loaded session; on exit (also after a crash) write the export if asked."""
-    app = SpecChatApp(session, theme=theme, export_path=export_path, device_label=device_label, dtype_label=dtype_label)
+    app = SpecChatApp(session, theme=theme, export_path=export_path)
     try:
         app.run()
     finally:
         if export_path is not None:
-            json_path, csv_path = write_export(session, Path(export_path), device_label=device_label, dtype_label=dtype_label)
+            json_path, csv_path = write_export(session, Path(export_path))
             print(f"specchat: session exported to {json_path} and {csv_path}")

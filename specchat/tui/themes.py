@@ -1,8 +1,7 @@
 """Themes from TOML files: Textual colours plus one colour and text style per token kind.
 
-Built-in themes live in the repository's `themes/` directory, shipped inside the package as
-`specchat/themes` (a link to it in a checkout, package data once installed). A user theme directory
-(platformdirs' config dir, `themes/`) is read after them, so a user file may replace a built-in one.
+Built-in themes live beside this file in `themes/` (package data). The user theme folder
+(store.user_themes_dir) is read after them, so a user file may replace a built-in one.
 A broken file is reported (the app shows a notice) and skipped: the app falls back to the default.
 """
 
@@ -12,14 +11,17 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import platformdirs
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
+
+from specchat.engine.events import TOKEN_KINDS as ENGINE_KINDS
+from specchat.store import user_themes_dir
 
 DEFAULT_THEME = "dark"
 FALLBACK_THEME = "textual-dark"  # a Textual built-in, used only if no specchat theme file can be read
 
-TOKEN_KINDS = ("accepted", "resampled", "bonus", "target", "rejected")
+# what a reply shows: the engine's token kinds plus the draft tokens the target rejected (F10)
+TOKEN_KINDS = (*ENGINE_KINDS, "rejected")
 TEXT_STYLES = {"none", "bold", "dim", "italic", "underline", "strike", "reverse"}
 THEME_COLORS = ("primary", "secondary", "accent", "foreground", "background", "surface", "panel", "boost",
                 "warning", "error", "success")
@@ -58,23 +60,10 @@ class ThemeError(ValueError):
 @dataclass
 class LoadedThemes:
     themes: dict[str, Theme] = field(default_factory=dict)
-    sources: dict[str, Path] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # one line per broken file
 
 
-def builtin_theme_dirs() -> list[Path]:
-    """The package's themes (installed: package data) and the checkout's top-level themes/ directory."""
-    here = Path(__file__).resolve().parent
-    candidates = [here.parent / "themes", here.parent.parent / "themes"]
-    found: list[Path] = []
-    for path in candidates:
-        if path.is_dir() and path.resolve() not in [p.resolve() for p in found]:
-            found.append(path)
-    return found
-
-
-def user_theme_dir() -> Path:
-    return platformdirs.user_config_path("specchat") / "themes"
+BUILTIN_THEMES = Path(__file__).resolve().parent / "themes"
 
 
 def _check_color(value, where: str) -> str:
@@ -137,7 +126,7 @@ def theme_from_toml(text: str, default_name: str) -> Theme:
 def load_themes(dirs: list[Path] | None = None) -> LoadedThemes:
     """Read every *.toml in the built-in dirs, then the user dir; later files replace earlier names."""
     if dirs is None:
-        dirs = [*builtin_theme_dirs(), user_theme_dir()]
+        dirs = [BUILTIN_THEMES, user_themes_dir()]
     loaded = LoadedThemes()
     for directory in dirs:
         if not directory.is_dir():
@@ -149,5 +138,4 @@ def load_themes(dirs: list[Path] | None = None) -> LoadedThemes:
                 loaded.problems.append(f"theme file {path} is broken: {e}")
                 continue
             loaded.themes[theme.name] = theme
-            loaded.sources[theme.name] = path
     return loaded

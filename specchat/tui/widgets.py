@@ -16,11 +16,14 @@ from textual.style import Style
 from textual.widget import Widget
 from textual.widgets import Static
 
-from specchat.decoding.drafters import MODES
-from specchat.decoding.events import RoundRecord, TokenEvent
-from specchat.decoding.stats import Stats, predicted_speedup
+from specchat.engine.drafters import MODES
+from specchat.engine.events import RoundRecord, TokenEvent
+from specchat.engine.metrics import Stats, measured_speedup
+from specchat.fmt import fixed as fmt
+from specchat.fmt import pct
+from specchat.session import Snapshot
+from specchat.tui.themes import TOKEN_KINDS as KINDS
 
-KINDS = ("accepted", "resampled", "bonus", "target", "rejected")
 KIND_HELP = {
     "accepted": "a draft token the target accepted",
     "resampled": "drawn from the residual max(0, p - q) after a rejection",
@@ -42,14 +45,6 @@ def token_css(owner: str) -> str:
 def visible(text: str) -> str:
     """A token's text with its whitespace made visible, for the inspector."""
     return repr(text)
-
-
-def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
-def pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.0f}%"
 
 
 # --------------------------------------------------------------------------- replies
@@ -283,35 +278,20 @@ class Legend(Widget):
 # --------------------------------------------------------------------------- statistics
 
 
-def plain_step_s(stats: dict[str, Stats]) -> float | None:
-    """Measured cost of one plain target step: mode 'off' emits one token per round."""
-    plain = stats.get("off")
-    return plain.wall_s / plain.rounds if plain and plain.rounds else None
-
-
-def estimate_speedup(stats: dict[str, Stats], mode: str, k: int) -> tuple[float | None, str]:
-    """DESIGN.md section 4's predicted speedup from this mode's measured acceptance and costs, or why not."""
-    step = plain_step_s(stats)
+def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
+    """The predicted speedup (engine.metrics.SpeedupModel) of `mode`, or why there is none yet."""
+    step = snapshot.plain_step_s
     if step is None:
         return None, "no plain step measured yet: press F2 and send a message"
     if mode == "off":
         return 1.0, f"plain decoding is the baseline ({1000 * step:.1f} ms/step)"
-    s = stats.get(mode)
-    if s is None or not s.drafted:
+    model = snapshot.speedup(mode)
+    if model is None:
         return None, f"no drafted rounds in {mode} yet"
-    a = s.acceptance_rate or 0.0
-    draft_cost = s.draft_s / s.drafted / step  # per drafted token, in plain steps
-    verify_cost = s.verify_s / s.rounds / step
-    return predicted_speedup(a, k, draft_cost, verify_cost), (
-        f"a={a:.2f} K={k}: draft {draft_cost:.2f}, verify {verify_cost:.2f} plain steps ({1000 * step:.1f} ms)"
+    return model.predicted, (
+        f"a={model.acceptance:.2f} K={model.k:.3g}: draft {model.draft_cost:.2f}, "
+        f"verify {model.verify_cost:.2f} plain steps ({1000 * step:.1f} ms)"
     )
-
-
-def measured_speedup(stats: dict[str, Stats], mode: str) -> float | None:
-    plain, s = stats.get("off"), stats.get(mode)
-    if not plain or not s or not plain.tokens_per_s or not s.tokens_per_s:
-        return None
-    return s.tokens_per_s / plain.tokens_per_s
 
 
 def spark(values: list[float]) -> str:
@@ -336,7 +316,7 @@ def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
         ("1st token ms", lambda s: fmt(s.time_to_first_token_s and 1000 * s.time_to_first_token_s, ".0f")),
         ("draft ms/round", lambda s: fmt(s.draft_ms_per_round, ".1f")),
         ("verify ms/round", lambda s: fmt(s.verify_ms_per_round, ".1f")),
-        ("tokens", lambda s: str(s.emitted)),
+        ("tokens", lambda s: str(s.new_tokens)),
     ]
     for label, value in rows:
         table.add_row(label, value(reply), value(session))
@@ -348,7 +328,7 @@ def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) 
     rates = stats.per_position_acceptance if stats else []
     if not rates:
         return Text("no drafts proposed yet", style="dim")
-    for i, (rate, n) in enumerate(zip(rates, stats.proposed_at), start=1):
+    for i, (rate, n) in enumerate(zip(rates, stats.num_draft_tokens_per_pos), start=1):
         full = round(rate * width)
         text.append(f"{i:>2} ")
         text.append("━" * full, style=colour)
@@ -376,13 +356,13 @@ def modes_table(stats: dict[str, Stats], current: str, unavailable: dict[str, st
             Text(f"{marker}{mode}", style=style),
             pct(s.acceptance_rate) if s else "",
             fmt(s.tokens_per_s, ".1f") if s else "",
-            fmt(measured_speedup(stats, mode), ".2f") if s else "",
+            fmt(measured_speedup(s, stats.get("off")), ".2f") if s else "",
         )
     return table
 
 
 class StatsPanel(VerticalScroll, can_focus=False):
-    """Live statistics, redrawn once per round from the session's per-mode Stats and this reply's."""
+    """Live statistics, drawn from the latest session Snapshot (redrawn on a timer while a reply streams)."""
 
     DEFAULT_CSS = """
     StatsPanel { height: 1fr; padding: 0 0 0 1; overflow-x: hidden; scrollbar-gutter: stable; scrollbar-size-vertical: 1; }
@@ -410,33 +390,32 @@ class StatsPanel(VerticalScroll, can_focus=False):
         yield Static("modes this session", classes="section")
         yield Static(id="modes")
 
-    def show(self, *, session, reply: Stats, recent: list[float], unavailable: dict[str, str], pending: str | None) -> None:
-        controls = session.controls
-        mode = controls.mode
-        with session.lock:  # the generation thread adds rounds under this lock
-            stats = {m: _copy(s) for m, s in session.stats.items()}
-        sampling = controls.sampling
+    def show(self, snapshot: Snapshot, *, unavailable: dict[str, str], pending: str | None) -> None:
+        mode, stats, recent = snapshot.mode, snapshot.stats, snapshot.recent
+        sampling = snapshot.sampling
         how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
         if not sampling.greedy and sampling.top_k:
             how += f" top-k={sampling.top_k}"
         if not sampling.greedy and sampling.top_p < 1:
             how += f" top-p={sampling.top_p:g}"
-        exact = "exact" if getattr(controls.rule, "exact", True) else "APPROXIMATE"
-        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(controls.k), "bold"),
+        exact = "exact" if snapshot.exact else "APPROXIMATE"
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
                              ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
         self.query_one("#mode-line", Static).update(line, layout=False)
-        self.query_one("#stats", Static).update(stats_table(reply, stats.get(mode, Stats()), mode), layout=False)
+        self.query_one("#stats", Static).update(stats_table(snapshot.reply, stats.get(mode, Stats()), mode), layout=False)
         colour = rich_colour(self.app.theme_variables.get("token-accepted", ""), "green")
-        recent_line = Text.assemble(("recent rounds ", "bold"), (spark(recent), colour) if recent else ("no drafts yet", "dim"))
+        label = "recent rounds "
+        fits = max(1, (self.scrollable_content_region.width or 40) - len(label))  # the latest rounds that fit on the line
+        recent_line = Text.assemble((label, "bold"), (spark(recent[-fits:]), colour) if recent else ("no drafts yet", "dim"))
         self.query_one("#spark", Static).update(recent_line, layout=False)
         positions = positions_text(stats.get(mode), colour)
         lines = len(positions.plain.splitlines())
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
-        value, why = estimate_speedup(stats, mode, controls.k)
-        measured = measured_speedup(stats, mode)
+        value, why = estimate_speedup(snapshot, mode)
+        measured = measured_speedup(stats.get(mode), stats.get("off"))
         speed = Text()
         speed.append("–" if value is None else f"{value:.2f}×", style="bold")
         speed.append(" predicted")
@@ -456,11 +435,6 @@ def rich_colour(value: str, fallback: str) -> str:
         return fallback
 
 
-def _copy(s: Stats) -> Stats:
-    return Stats(**{**s.__dict__, "first_token_s": list(s.first_token_s), "proposed_at": list(s.proposed_at),
-                    "accepted_at": list(s.accepted_at)})
-
-
 # --------------------------------------------------------------------------- inspector
 
 
@@ -472,7 +446,7 @@ class Inspector(Static):
     Inspector.-shown { display: block; }
     """
 
-    def show_token(self, token: TokenEvent | None, decode, k: int | None = None) -> None:
+    def show_token(self, token: TokenEvent | None, decode) -> None:
         self.set_class(token is not None, "-shown")
         if token is None:
             self.update("")

@@ -1,0 +1,227 @@
+"""`specchat bench`: parse and check the options (before any model loads), load, run, write the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from specchat.cli.options import UserError, load_models, mode_setting_options, mode_settings, model_options, user_errors
+from specchat.engine.drafters import MODES
+
+BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+
+
+def parse_list(text: str, convert, what: str, check=lambda v: True, hint: str = "") -> list:
+    """'2,4,8' -> [2, 4, 8], with a one-line error naming the option."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        try:
+            value = convert(item)
+        except ValueError:
+            raise UserError(f"{what}: {item!r} is not valid{hint}") from None
+        if not check(value):
+            raise UserError(f"{what}: {item!r} is not valid{hint}")
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise UserError(f"{what} is empty")
+    return values
+
+
+def choose_modes(spec: str | None, has_draft: bool) -> tuple[list[str], dict[str, str]]:
+    """Requested modes (errors for unknown/unusable ones), or by default every mode; returns (modes, skipped)."""
+    if spec is None:
+        skipped = {} if has_draft else {"draft": "needs --draft"}
+        return [m for m in MODES if m not in skipped], skipped
+    modes = parse_list(spec, str, "--modes")
+    for m in modes:
+        if m not in MODES:
+            raise UserError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
+        if m == "draft" and not has_draft:
+            raise UserError("mode 'draft' needs a draft model: pass --draft MODEL")
+    return (["off"] if "off" not in modes else []) + modes, {}
+
+
+def read_prompts(spec: str) -> list[dict]:
+    """builtin, or a JSONL file of {"prompt": ..., optional "name", "kind", "raw"} objects."""
+    path = BUILTIN_PROMPTS if spec == "builtin" else Path(spec).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read prompts file {spec}: {getattr(e, 'strerror', None) or e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{spec} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            raise UserError(f'{spec} line {n}: expected an object with a non-empty "prompt" string')
+        prompts.append({"name": str(item.get("name", f"prompt{n}")), "kind": str(item.get("kind", "")),
+                        "prompt": item["prompt"], "raw": bool(item.get("raw", False))})
+    if not prompts:
+        raise UserError(f"{spec} holds no prompts")
+    return prompts
+
+
+@dataclass
+class Plan:
+    """Everything `bench` will measure, checked before any model loads."""
+
+    modes: list[str]
+    skipped: dict[str, str]  # mode -> why it is not measured
+    explicit_modes: bool  # --modes given: a mode that cannot run is an error, not a skip
+    ks: list[int]
+    temperatures: list[float]
+    rules: list[str]
+    prompts: list[dict]
+    settings: dict  # skip_layers / exit_layer / rank
+    out_dir: Path
+
+
+def make_plan(opts: dict) -> Plan:
+    from specchat.engine.acceptance import parse_rule
+    from specchat.store import bench_dir
+
+    modes, skipped = choose_modes(opts["modes"], bool(opts["draft"]))
+    rules = parse_list(opts["accepts"], str, "--accept")
+    for rule in rules:
+        try:
+            parse_rule(rule)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    if opts["verify_samples"] and opts["verify_samples"] < 20:
+        raise UserError("--verify-samples must be 0 (skip) or at least 20")
+    out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} exists and is not a directory")
+    return Plan(
+        modes=modes, skipped=skipped, explicit_modes=opts["modes"] is not None,
+        ks=parse_list(opts["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
+        temperatures=parse_list(opts["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)"),
+        rules=rules, prompts=read_prompts(opts["prompts_spec"]), settings=mode_settings(opts), out_dir=out_dir,
+    )
+
+
+def build_drafters(plan: Plan, target, draft, device) -> tuple[dict, dict]:
+    """Every mode's drafter now, so a mode that cannot run fails before the long run: (drafters, MB each added)."""
+    from specchat.engine.drafters import ModeUnavailable, build_drafter
+    from specchat.machine import memory_mb
+    from specchat.session import drafter_options
+
+    drafters, added_mb = {}, {}
+    for mode in plan.modes:
+        before = memory_mb(device)
+        try:
+            options = drafter_options(target.model, mode, plan.settings)
+            drafters[mode] = build_drafter(mode, target.model, draft.model if draft else None, **options)
+        except ModeUnavailable as e:
+            if plan.explicit_modes:
+                raise
+            plan.skipped[mode] = str(e)
+            continue
+        added_mb[mode] = memory_mb(device) - before
+    return drafters, added_mb
+
+
+def tokenise_prompts(plan: Plan, target) -> list:
+    from specchat.bench.runner import Prompt
+
+    prompts = []
+    for item in plan.prompts:
+        ids = target.raw_ids(item["prompt"]) if item["raw"] else target.chat_ids([{"role": "user", "content": item["prompt"]}])
+        if target.context_len and len(ids) >= target.context_len:
+            raise UserError(f"prompt {item['name']!r} is {len(ids)} tokens; {target.name} has a context of {target.context_len}")
+        prompts.append(Prompt(item["name"], item["kind"], item["prompt"], ids))
+    return prompts
+
+
+class Steps:
+    """A Rich progress bar on stderr; each call starts the next step. Without a terminal (a log file),
+    one plain line per step instead, so a long background run still shows where it is."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress, self.task, self.done, self.total = progress, progress.add_task("", total=total), 0, total
+
+    def __call__(self, message: str) -> None:
+        if self.done:
+            self.progress.advance(self.task)
+        self.done += 1
+        self.progress.update(self.task, description=message)
+        if not self.progress.console.is_terminal:
+            self.progress.console.print(f"[{self.done}/{self.total}] {message}", highlight=False)
+
+
+@click.command()
+@model_options
+@click.option("--modes", default=None, metavar="LIST", help=f"Comma-separated, from: {', '.join(MODES)}. Default: every mode that can run (draft with --draft). off always runs.")
+@click.option("--draft-len", "draft_lens", default="2,4,8", show_default=True, metavar="LIST", help="Draft lengths K to measure.")
+@click.option("--temperature", "temperatures", default="0", show_default=True, metavar="LIST", help="Temperatures, e.g. 0,0.7 (0 is greedy).")
+@click.option("--accept", "accepts", default="exact", show_default=True, metavar="LIST", help="Acceptance rules (exact, or approx:<param>).")
+@click.option("--prompts", "prompts_spec", default="builtin", show_default=True, metavar="builtin|FILE.jsonl")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Passes over the prompts.")
+@click.option("--peers", is_flag=True, help="Also run HF transformers' own implementation of each requested mode: generate() for off, assistant_model for draft, prompt_lookup_num_tokens for lookup, assistant_early_exit for earlyexit.")
+@click.option("--verify-samples", type=int, default=100, show_default=True, help="Samples per side of the distribution test for sampled exact modes (0 skips; else >= 20).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's choice). Fewer than cores can be faster on a shared machine.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder (default: a new timestamped folder under the user data folder's bench/).")
+@mode_setting_options
+def bench(**opts):
+    """Measure every mode against plain decoding on the same prompts, with quality checks."""
+    plan = make_plan(opts)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specchat.bench import report, runner
+
+    if opts["threads"]:
+        import torch
+
+        torch.set_num_threads(opts["threads"])
+    console = Console(stderr=True)
+    with user_errors():
+        target, draft, device, dtype = load_models(opts, console)
+        drafters, drafter_mb = build_drafters(plan, target, draft, device)
+        prompts = tokenise_prompts(plan, target)
+
+    ctx = runner.Context(target, draft, device, drafters, target.eos_ids, opts["max_new_tokens"], opts["seed"], opts["exit_layer"])
+    configs = runner.build_configs([m for m in plan.modes if m in drafters], plan.ks, plan.temperatures, plan.rules, peers=opts["peers"])
+    verify_samples = opts["verify_samples"]
+    n_verify = len({(c.mode, c.temperature) for c in configs if not c.is_peer and c.mode != "off" and c.temperature > 0 and c.exact})
+    total = len(configs) * (1 + len(prompts) * opts["repeat"]) + (n_verify if verify_samples else 0)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with user_errors(), Progress(*columns, console=console, transient=True) as progress:
+        steps = Steps(progress, total)
+        runs = runner.run_all(ctx, configs, prompts, opts["repeat"], steps)
+        rows = runner.summarise(ctx, configs, runs)
+        checks = {
+            "greedy_identity": runner.greedy_identity(configs, runs),
+            "distribution": runner.distribution_checks(ctx, configs, prompts[0], verify_samples, steps) if verify_samples else [],
+            "approximate": runner.approximate_quality(ctx, configs, runs, prompts),
+            "hf_greedy": runner.hf_greedy_match(runs),
+        }
+
+    for r in rows:
+        r["drafter_memory_mb"] = drafter_mb.get(r["mode"])
+    for run in runs:
+        run["text"] = target.tokenizer.decode(run["tokens"], skip_special_tokens=True)
+    results = runner.results(ctx, plan, opts, configs, prompts, rows, checks, runs, dtype)
+    text, note = report.write(results, plan.out_dir)
+    click.echo(text)
+    click.echo(f"wrote {plan.out_dir / 'report.md'}, {plan.out_dir / 'results.json'}"
+               + ("" if note else f", {plan.out_dir / 'speedup.png'}"), err=True)
+    if note:
+        click.echo(note, err=True)
+    if checks["greedy_identity"] or any(v["verdict"] == "fail" for v in checks["distribution"]):
+        click.echo("bench: quality check FAILED (see Checks in the report)", err=True)
+        sys.exit(1)

@@ -1,0 +1,84 @@
+"""`specchat generate`: one reply, streamed with every token coloured by how it was produced, then a summary."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from specchat.cli.options import UserError, config_summary, generation_options, load_session, model_options, user_errors
+from specchat.fmt import num
+
+KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
+KIND_LEGEND = {
+    "accepted": "draft accepted",
+    "resampled": "resampled (after a rejection)",
+    "bonus": "bonus (after a full block)",
+    "target": "plain target step",
+}
+
+
+@click.command()
+@click.option("--prompt", required=True, help="The user message (or raw text with --raw).")
+@click.option("--raw", is_flag=True, help="Tokenise the prompt as it is, without the chat template.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@model_options
+@generation_options
+def generate(prompt, raw, fmt, **opts):
+    """Generate one reply headlessly, colour-coded by how each token was produced."""
+    if not prompt.strip():
+        raise UserError("the prompt is empty")
+    session = load_session(opts, quiet=fmt == "json")
+    with user_errors():
+        ids = session.raw_prompt(prompt) if raw else session.chat_prompt([{"role": "user", "content": prompt}])
+        rounds = session.complete(ids)
+        if fmt == "json":
+            for record in rounds:
+                for t in record.tokens:
+                    print(json.dumps({"type": "token", "id": t.id, "text": t.text, "kind": t.kind, "round": t.round}), flush=True)
+        else:
+            print_stream(rounds)
+    turn = session.turns[-1]
+    summary = {
+        **config_summary(session),
+        "exact": turn.stats.exact,
+        "prompt_tokens": turn.prompt_tokens,
+        "stop_reason": turn.stop_reason,
+        **turn.stats.summary(),
+    }
+    if fmt == "json":
+        print(json.dumps({"type": "summary", **summary}), flush=True)
+    else:
+        print_summary(summary)
+
+
+def print_stream(rounds) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    legend = Text("  ").join(Text(f"■ {label}", style=KIND_STYLES[kind]) for kind, label in KIND_LEGEND.items())
+    console.print(legend)
+    console.rule(style="dim")
+    for record in rounds:
+        console.print(Text.assemble(*((t.text, KIND_STYLES[t.kind]) for t in record.tokens)), end="")
+    console.print()
+    console.rule(style="dim")
+
+
+def print_summary(s: dict) -> None:
+    from rich.console import Console
+
+    lines = [
+        f"[b]{s['mode']}[/b] K={s['draft_len']}  target={s['target']}" + (f"  draft={s['draft']}" if s["draft"] else "")
+        + f"  {s['device']}/{s['dtype']}  T={s['temperature']} top-k={s['top_k']} top-p={s['top_p']} seed={s['seed']}"
+        + ("" if s["exact"] else "  [b red]APPROXIMATE (exact: false)[/]"),
+        f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})  "
+        f"{num(s['tokens_per_s'])} tok/s  {num(s['ms_per_token'])} ms/token  "
+        f"first token {num(s['time_to_first_token_s'])} s",
+        f"acceptance {num(s['acceptance_rate'])}  mean accepted length {num(s['mean_accepted_length'])}  "
+        f"target calls/token {num(s['target_calls_per_token'])}  draft calls/token {num(s['draft_calls_per_token'])}",
+        f"per-position acceptance {num(s['per_position_acceptance'])}  "
+        f"draft {num(s['draft_ms_per_round'])} ms/round  verify {num(s['verify_ms_per_round'])} ms/round",
+    ]
+    Console(highlight=False).print("\n".join(lines))

@@ -1,0 +1,166 @@
+"""What every command shares: the option decorators, one-line user errors, loading models and a session.
+
+Commands import this module; it imports no command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import click
+
+from specchat.engine.drafters import MODES
+
+
+class UserError(click.ClickException):
+    """One clear line, exit status 1, never a traceback."""
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Turn the errors a user can cause into one-line messages."""
+    from specchat.engine.drafters import ModeUnavailable
+    from specchat.models import ModelError
+    from specchat.session import PromptTooLong
+
+    try:
+        yield
+    except (ModelError, ModeUnavailable, PromptTooLong) as e:
+        raise UserError(str(e)) from None
+
+
+def apply(options: list, f):
+    """Decorate `f` with click options, the first listed first in --help."""
+    return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
+
+
+def model_options(f):
+    """--target/--draft and where they run."""
+    return apply([
+        click.option("--target", metavar="MODEL", help="HF model id (local cache), directory, or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
+        click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer)."),
+        click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
+        click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
+        click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
+    ], f)
+
+
+def mode_setting_options(f):
+    """The settings of the self-speculative modes."""
+    return apply([
+        click.option("--skip-layers", metavar="LIST", help="layerskip: layers to skip, e.g. 3,5,7 (default: tuned or built-in)."),
+        click.option("--exit-layer", type=click.IntRange(min=1), default=None, help="earlyexit: layers run by the draft pass."),
+        click.option("--rank", metavar="R", default=None, help="lowrank: rank as a fraction (0.25) or an integer."),
+    ], f)
+
+
+def generation_options(f):
+    """Decoding settings shared by the chat and the headless commands."""
+    return apply([
+        click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Draft mode (default: draft if --draft is given, else off)."),
+        click.option("-k", "--draft-len", type=click.IntRange(min=1), default=4, show_default=True, help="Draft tokens per round (K)."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Makes sampling reproducible."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+        mode_setting_options,
+        click.option("--adaptive", is_flag=True, help="Adjust K from recent acceptance."),
+        click.option("--accept", "accept_rule", default="exact", show_default=True, help="exact, or an approximate rule approx:<param> (labelled exact: false)."),
+    ], f)
+
+
+def mode_settings(opts: dict) -> dict:
+    """--skip-layers/--exit-layer/--rank as the options a drafter's `build` reads."""
+    out = {}
+    if opts.get("skip_layers"):
+        try:
+            out["skip_layers"] = [int(x) for x in opts["skip_layers"].split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
+    if opts.get("exit_layer") is not None:
+        out["exit_layer"] = opts["exit_layer"]
+    if opts.get("rank") is not None:
+        try:
+            rank = float(opts["rank"])
+        except ValueError:
+            raise UserError(f"--rank must be a fraction or an integer, got {opts['rank']!r}") from None
+        out["rank"] = int(rank) if rank >= 1 else rank
+    return out
+
+
+def load_models(opts: dict, console):
+    """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
+    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    device = pick_device(opts["device"])
+    dtype = pick_dtype(opts["dtype"], device)
+    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"])
+    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
+        target = load_model(opts["target"], device, dtype, **kwargs)
+    draft = None
+    if opts["draft"]:
+        with console.status(f"Loading draft {opts['draft']}..."):
+            draft = load_model(opts["draft"], device, dtype, **kwargs)
+        check_same_tokenizer(target, draft)
+    return target, draft, device, dtype
+
+
+def load_session(opts: dict, *, quiet: bool = False):
+    """Load models with a progress display on stderr and build a Session from the generation options."""
+    from rich.console import Console
+
+    from specchat.engine.acceptance import parse_rule
+    from specchat.engine.loop import AdaptiveK
+    from specchat.engine.sampling import SamplingParams
+    from specchat.session import Session
+
+    mode = opts["mode"] or ("draft" if opts["draft"] else "off")
+    if mode == "draft" and not opts["draft"]:
+        raise UserError("--mode draft needs a draft model: pass --draft MODEL")
+    try:
+        rule = parse_rule(opts["accept_rule"])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    settings = mode_settings(opts)
+    with user_errors():
+        target, draft, device, dtype = load_models(opts, Console(stderr=True, quiet=quiet))
+        session = Session(
+            target,
+            draft,
+            mode=mode,
+            k=opts["draft_len"],
+            sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
+            seed=opts["seed"],
+            max_new_tokens=opts["max_new_tokens"],
+            mode_options=settings,
+        )
+    session.controls.rule = rule
+    if opts["adaptive"]:
+        # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
+        # when their top probability is below 0.7 (measured: benchmarks/RESULTS.md)
+        session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
+    session.device_label, session.dtype_label = str(device), str(dtype).removeprefix("torch.")
+    return session
+
+
+def config_summary(session) -> dict:
+    """The settings a result was produced with (every summary and report starts with these)."""
+    sampling = session.controls.sampling
+    return {
+        "target": session.target.name,
+        "draft": session.draft.name if session.draft else None,
+        "mode": session.mode,
+        "draft_len": session.controls.k,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": session.seed,
+        "device": session.device_label,
+        "dtype": session.dtype_label,
+        "accept": session.controls.rule.name,
+    }

@@ -1,0 +1,55 @@
+"""The drafter interface: every draft source (one file each) proposes tokens with the q they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
+
+
+class ModeUnavailable(Exception):
+    """A mode that cannot run with the loaded models; the message says why, in one line."""
+
+
+@dataclass
+class Proposal:
+    ids: torch.Tensor  # [K'] proposed tokens, K' <= K
+    q: torch.Tensor | None  # [K', V] float32, exactly what each token was drawn from; None = deterministic (one-hot)
+    calls: int  # forward passes the drafter spent
+
+    @staticmethod
+    def empty(device: torch.device, calls: int = 0) -> "Proposal":
+        return Proposal(torch.empty(0, dtype=torch.long, device=device), None, calls)
+
+
+class Drafter:
+    """Proposes up to K tokens after `state.tokens`.
+
+    A drafter keeps whatever state it likes (a KV cache, an n-gram index) and re-syncs it to
+    `state.tokens` at the start of `propose`: the loop may have rolled back, another mode may have
+    run in between, or a new conversation turn may have begun. The loop owns acceptance, the target
+    cache and timing.
+    """
+
+    name: str
+    # Drafters that run a model stop drafting when the draft's top probability falls below p_min
+    # (llama.cpp's --draft-p-min; the loop sets it each round from AdaptiveK, 0 = never). It depends only
+    # on the draft's own distribution, so the rule stays exact. Drafters without a model ignore it.
+    p_min: float = 0.0
+
+    def propose(self, state: TargetState, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def verify(self, state: TargetState, draft_ids: list[int]) -> torch.Tensor:
+        """Target logits [K+1, V] for the pending token and the drafts.
+
+        A self-speculative drafter that shares computation with the target (early exit reuses its KV
+        entries) overrides this; it must leave `state.cache` holding every layer for all tokens fed.
+        """
+        return state.verify(draft_ids)
+
+    def reset(self) -> None:
+        """Forget all cached state."""

@@ -1,0 +1,115 @@
+"""Mode `quant`: an int8 weight copy of the target drafts; the target's own weights verify.
+
+On CPU the copy uses torch.ao dynamic quantisation (int8 weights, activations quantised per step,
+fbgemm/x86 kernels). torch.ao.quantization is deprecated in favour of torchao, but torchao's int8
+paths run in eager mode through tensor-subclass dispatch and were measured slower than the fp32
+model itself here (benchmarks/RESULTS.md): a draft that is slower than the target is no
+draft. On CUDA the copy uses torchao's Int8WeightOnlyConfig when torchao is installed; without it
+there is no int8 path and the mode is unavailable.
+
+The copy shares the target's embedding and norms (kept in float32 for the int8 kernels, which take
+float32 activations) and keeps its own KV cache re-synced to `state.tokens` (ModelDrafter).
+Extra memory: the int8 weights with their scales, float32 norms if the target is not float32, the
+draft KV cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
+
+
+def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a dynamic-quantised linear: int8 weight, one float scale and zero point per output row, bias."""
+    weight, bias = module._packed_params._weight_bias()
+    return weight.numel() + weight.shape[0] * 16 + (bias.numel() * bias.element_size() if bias is not None else 0)
+
+
+@torch.no_grad()
+def torch_ao_int8_copy(model):
+    """(draft, extra bytes): every Linear as torch.ao dynamic int8 (per-channel weight scales); float32 activations."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    draft = shared_copy(model)
+    extra = 0
+    for name, linear in _linears(draft):
+        # a float32 stand-in for one layer at a time (the target's own tensor when it is float32: no copy)
+        fp32 = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        fp32.weight = torch.nn.Parameter(linear.weight.float(), requires_grad=False)
+        if linear.bias is not None:
+            fp32.bias = torch.nn.Parameter(linear.bias.float(), requires_grad=False)
+        with warnings.catch_warnings():  # torch.ao's deprecation notices: the choice is explained above
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            qlinear = quantize_dynamic(
+                torch.nn.Sequential(fp32), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
+            )[0]
+        parent, _, attr = name.rpartition(".")
+        setattr(draft.get_submodule(parent) if parent else draft, attr, qlinear)
+        extra += _module_bytes(qlinear)
+    if model.get_input_embeddings().weight.dtype != torch.float32:
+        # the int8 kernels take float32 inputs: cast the (shared) embedding output, keep the small norms in float32
+        draft.get_input_embeddings().register_forward_hook(lambda mod, args, out: out.float())
+        for module in draft.modules():
+            if "RMSNorm" in type(module).__name__ or isinstance(module, torch.nn.LayerNorm):
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, pname, torch.nn.Parameter(p.detach().float(), requires_grad=False))
+                    extra += p.numel() * 4
+    return draft.eval(), extra
+
+
+def torchao_int8_copy(model):
+    """(draft, extra bytes): torchao int8 weight-only linears (the maintained path; fast on CUDA)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    draft = copy.deepcopy(model)  # quantize_ replaces weights in place: the copy must own them
+    quantize_(draft, Int8WeightOnlyConfig())
+    extra = sum(m.weight.numel() for _, m in _linears(draft))  # int8: one byte per weight (scales are small)
+    extra += sum(p.numel() * p.element_size() for n, p in draft.named_parameters() if "embed" in n or "norm" in n)
+    return draft.eval(), extra
+
+
+def cpu_int8_engine() -> str | None:
+    """A torch.ao quantised engine with int8 linear kernels on this CPU, or None."""
+    engines = torch.backends.quantized.supported_engines
+    return next((e for e in ("x86", "fbgemm", "qnnpack") if e in engines), None)
+
+
+class QuantDrafter(CopyDrafter):
+    name = "quant"
+
+    @classmethod
+    def build(cls, target, draft=None, *, quant_backend: str = "auto", **options) -> "QuantDrafter":
+        device = target.device
+        backend = quant_backend
+        if backend == "auto":
+            backend = "torch.ao" if device.type == "cpu" else "torchao"
+        if backend == "torch.ao":
+            if device.type != "cpu":
+                raise ModeUnavailable(f"mode 'quant': torch.ao dynamic int8 runs on CPU only, the target is on {device}")
+            if cpu_int8_engine() is None:
+                raise ModeUnavailable("mode 'quant': this PyTorch build has no int8 CPU engine (fbgemm/x86/qnnpack)")
+            model, extra = torch_ao_int8_copy(target)
+        elif backend == "torchao":
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                raise ModeUnavailable(f"mode 'quant' on {device.type} needs torchao for int8 weights: pip install torchao") from None
+            model, extra = torchao_int8_copy(target)
+        else:
+            raise ModeUnavailable(f"unknown quant backend {quant_backend!r}; use auto, torch.ao or torchao")
+        return cls(model, backend=backend, weight_bytes=extra)
+
+    def __init__(self, model, *, backend: str, weight_bytes: int) -> None:
+        super().__init__(model)
+        self.backend, self.weight_bytes = backend, weight_bytes
+

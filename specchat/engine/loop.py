@@ -1,0 +1,186 @@
+"""The speculative loop: draft K, verify in one target forward, accept, roll back. Plain decoding is K=0."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from specchat.engine.acceptance import EXACT, AcceptRule
+from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.events import RoundRecord, TokenEvent
+from specchat.engine.sampling import SamplingParams, logits_to_probs
+from specchat.engine.target import TargetState
+
+TOP_ALTERNATIVES = 5
+
+
+class AdaptiveK:
+    """HF's heuristic draft-length schedule, kept per mode: K += 2 after a fully accepted block, K -= 1
+    after a rejection, within [k_min, k_max]. Long blocks where the draft agrees, short where it does not.
+
+    `p_min` > 0 also stops a model draft early when its top probability falls below it (llama.cpp's
+    p-min); the loop sets `Drafter.p_min` from it each round (drafters without a model ignore it).
+    """
+
+    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 16, p_min: float = 0.0) -> None:
+        self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
+        self.ks: dict[str, int] = {}  # mode -> current K
+
+    def k(self, mode: str) -> int:
+        return self.ks.get(mode, self.start)
+
+    def update(self, mode: str, drafted: int, accepted: int) -> None:
+        if drafted:  # a round without drafts (no lookup match, plain mode) says nothing about K
+            step = 2 if accepted == drafted else -1
+            self.ks[mode] = max(self.k_min, min(self.k_max, self.k(mode) + step))
+
+
+@dataclass
+class Controls:
+    """Read at the start of every round, so another thread (the UI) may change them mid-reply."""
+
+    drafter: Drafter
+    k: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rule: AcceptRule = EXACT
+    adaptive: AdaptiveK | None = None  # when set, it chooses K each round instead of `k`
+
+    @property
+    def mode(self) -> str:
+        return self.drafter.name
+
+
+def clock(device: torch.device) -> float:
+    """Wall time after the device has finished its queued work (CUDA launches are asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def one_hot(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[K] ids -> [K, V] float32: the q of a deterministic drafter."""
+    return torch.zeros(ids.numel(), vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
+
+
+def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
+    """[N, V] -> per row, the most likely (id, prob) pairs, for the token inspector."""
+    values, ids = torch.topk(probs, min(TOP_ALTERNATIVES, probs.shape[-1]), dim=-1)
+    return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def generate(
+    state: TargetState,
+    prompt: list[int],
+    controls: Controls,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    generator: torch.Generator | None = None,
+    decode: Callable[[int], str] = lambda _id: "",
+) -> Iterator[RoundRecord]:
+    """Yield one RoundRecord per target forward until EOS, `max_new_tokens` or the context limit.
+
+    Stop iterating to cancel: the state stays consistent after every round.
+    """
+    t_prefill = clock(state.device)
+    state.start(prompt)
+    prefill_s = clock(state.device) - t_prefill
+    limit = max_new_tokens
+    if state.context_len is not None:
+        limit = min(limit, state.context_len - len(prompt))
+    produced = 0
+    round_index = 0
+    while produced < limit:
+        drafter, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
+        want = adaptive.k(drafter.name) if adaptive else controls.k
+        drafter.p_min = adaptive.p_min if adaptive else 0.0
+        # never draft past the token budget (the last token needs no draft) or verify past the context window
+        k = min(want, limit - produced - 1)
+        if state.context_len is not None:
+            k = min(k, state.context_len - len(state.tokens) - 1)
+        k = max(k, 0)
+
+        t0 = clock(state.device)
+        proposal = drafter.propose(state, k, params, generator) if k > 0 else Proposal.empty(state.device)
+        t1 = clock(state.device)
+        draft_ids = proposal.ids  # [K]
+        n_drafted = draft_ids.numel()
+        draft_list = draft_ids.tolist()
+        logits = drafter.verify(state, draft_list)  # [K+1, V]
+        p = logits_to_probs(logits, params)  # [K+1, V]
+        q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
+        verdict = rule(draft_ids, q, p, generator, params.greedy)
+        n = verdict.accepted
+        if adaptive:
+            adaptive.update(drafter.name, n_drafted, n)
+        new = [*draft_list[:n], verdict.next_token]
+
+        stop_reason = None
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                new, stop_reason = new[: i + 1], "eos"
+                break
+        if produced + len(new) >= limit:
+            new = new[: limit - produced]
+            stop_reason = stop_reason or ("max_new_tokens" if limit == max_new_tokens else "context")
+        state.commit(new)
+        t2 = clock(state.device)
+
+        record = RoundRecord(
+            index=round_index,
+            mode=drafter.name,
+            draft_len=k,
+            drafted=n_drafted,
+            accepted=min(n, len(new)),
+            draft_calls=proposal.calls,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            rejected=draft_list[n:],
+            exact=rule.exact,
+            stop_reason=stop_reason,
+            prefill_s=prefill_s if round_index == 0 else 0.0,
+        )
+        record.tokens = _token_events(new, n, p, q, verdict.accept_probs, round_index, decode)
+        record.wall_s = time.perf_counter() - t0
+        produced += len(new)
+        round_index += 1
+        yield record
+        if stop_reason is not None:
+            return
+
+
+def _token_events(new, n, p, q, accept_probs, round_index, decode) -> list[TokenEvent]:
+    """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
+    k = q.shape[0]
+    ids = torch.tensor(new, device=p.device)  # [E]
+    p_x = p[torch.arange(len(new), device=p.device), ids].tolist()
+    drafted = min(len(new), k)  # emitted positions that had a draft
+    q_x = q[torch.arange(drafted, device=q.device), ids[:drafted]].tolist()
+    top_p, top_q = top_alternatives(p[: len(new)]), top_alternatives(q[:drafted])
+    acc = accept_probs.tolist()
+    events = []
+    for i, tok in enumerate(new):
+        if k == 0:
+            kind = "target"
+        elif i < n:
+            kind = "accepted"
+        else:
+            kind = "resampled" if n < k else "bonus"
+        events.append(
+            TokenEvent(
+                id=tok,
+                text=decode(tok),
+                kind=kind,
+                round=round_index,
+                position=i + 1,
+                p=p_x[i],
+                q=q_x[i] if i < drafted else None,
+                accept_prob=acc[i] if kind == "accepted" else None,
+                top_p=top_p[i],
+                top_q=top_q[i] if i < drafted else (),
+            )
+        )
+    return events

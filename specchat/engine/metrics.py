@@ -1,0 +1,200 @@
+"""Every statistic of a run, computed from RoundRecords, and the one model of the speedup (docs/ARCHITECTURE.md).
+
+Field names are the exported names: vLLM's counters (`num_drafts`, `num_draft_tokens`,
+`num_accepted_tokens`, `num_accepted_tokens_per_pos`) and plain names for the rest, so `summary()`
+writes the fields as they are plus what is derived from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from specchat.engine.events import RoundRecord
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+@dataclass
+class Stats:
+    rounds: int = 0  # target verify forwards (the prefill is reported separately)
+    num_drafts: int = 0  # rounds that proposed at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: rounds that proposed draft i+1
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: rounds that accepted draft i+1
+    new_tokens: int = 0
+    draft_calls: int = 0  # forwards of the drafter
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target forward + acceptance + cache rollback
+    decode_s: float = 0.0  # wall time of every round (what tokens/s divides by)
+    prefill_s: float = 0.0
+    first_token_s: list[float] = field(default_factory=list)  # one per generation: prefill + first round
+    exact: bool = True  # every round used an exact acceptance rule
+
+    def add(self, r: RoundRecord) -> None:
+        self.rounds += 1
+        self.num_drafts += r.drafted > 0
+        self.num_draft_tokens += r.drafted
+        self.num_accepted_tokens += r.accepted
+        grow = r.drafted - len(self.num_draft_tokens_per_pos)
+        if grow > 0:
+            self.num_draft_tokens_per_pos += [0] * grow
+            self.num_accepted_tokens_per_pos += [0] * grow
+        for i in range(r.drafted):
+            self.num_draft_tokens_per_pos[i] += 1
+            self.num_accepted_tokens_per_pos[i] += i < r.accepted
+        self.new_tokens += r.emitted
+        self.draft_calls += r.draft_calls
+        self.draft_s += r.draft_s
+        self.verify_s += r.verify_s
+        self.decode_s += r.wall_s
+        self.prefill_s += r.prefill_s
+        if r.index == 0:
+            self.first_token_s.append(r.prefill_s + r.wall_s)
+        self.exact = self.exact and r.exact
+
+    @classmethod
+    def of(cls, records: Iterable[RoundRecord]) -> "Stats":
+        stats = cls()
+        for r in records:
+            stats.add(r)
+        return stats
+
+    def merge(self, other: "Stats") -> "Stats":
+        """The statistics of both runs together (a new object)."""
+        out = self.copy()
+        for f in dataclasses.fields(self):
+            a, b = getattr(out, f.name), getattr(other, f.name)
+            if f.name.endswith("_per_pos"):
+                setattr(out, f.name, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
+            elif f.name == "exact":
+                out.exact = a and b
+            else:
+                setattr(out, f.name, a + b)
+        return out
+
+    def copy(self) -> "Stats":
+        return dataclasses.replace(self, **{f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), list)})
+
+    # -- derived
+    @property
+    def target_calls(self) -> int:
+        return self.rounds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per round, the bonus included (vLLM's 1 + accepted/drafts)."""
+        return _ratio(self.new_tokens, self.rounds)
+
+    @property
+    def mean_draft_len(self) -> float | None:
+        """Draft tokens per round that drafted: the K the speedup model uses (adaptive K varies it)."""
+        return _ratio(self.num_draft_tokens, self.num_drafts)
+
+    @property
+    def target_calls_per_token(self) -> float | None:
+        return _ratio(self.target_calls, self.new_tokens)
+
+    @property
+    def draft_calls_per_token(self) -> float | None:
+        return _ratio(self.draft_calls, self.new_tokens)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p for a, p in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return _ratio(self.new_tokens, self.decode_s)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return _ratio(1000 * self.decode_s, self.new_tokens)
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        return self.first_token_s[-1] if self.first_token_s else None
+
+    @property
+    def draft_ms_per_round(self) -> float | None:
+        return _ratio(1000 * self.draft_s, self.rounds)
+
+    @property
+    def verify_ms_per_round(self) -> float | None:
+        return _ratio(1000 * self.verify_s, self.rounds)
+
+    @property
+    def plain_step_s(self) -> float | None:
+        """For mode off's statistics: the cost of one plain target step (a round's verify time)."""
+        return _ratio(self.verify_s, self.rounds)
+
+    def summary(self) -> dict:
+        """Every field (except the per-generation first-token list) and every derived statistic."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "first_token_s"}
+        for name in ("target_calls", "acceptance_rate", "mean_accepted_length", "mean_draft_len", "target_calls_per_token",
+                     "draft_calls_per_token", "per_position_acceptance", "tokens_per_s", "ms_per_token",
+                     "time_to_first_token_s", "draft_ms_per_round", "verify_ms_per_round"):
+            out[name] = getattr(self, name)
+        return out
+
+
+# ---------------------------------------------------------------- the speedup model
+
+
+def expected_tokens_per_round(acceptance: float, k: float) -> float:
+    """E[tokens/round] = (1 - a^(K+1)) / (1 - a): accepted drafts plus the replacement or bonus, drafts i.i.d."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def predicted_speedup(acceptance: float, k: float, draft_cost: float, verify_cost: float) -> float:
+    """Speedup over plain decoding: E[tokens/round] / (K c + v), costs relative to one plain target step."""
+    return expected_tokens_per_round(acceptance, k) / (k * draft_cost + verify_cost)
+
+
+@dataclass(frozen=True)
+class SpeedupModel:
+    """The inputs of the predicted speedup, as measured, and the prediction. Every front end shows this one."""
+
+    acceptance: float  # a
+    k: float  # draft tokens per drafting round
+    draft_cost: float  # c: one draft token, in plain target steps
+    verify_cost: float  # v: one verify forward of K+1 positions, in plain target steps
+    plain_step_s: float  # the plain step the costs are relative to
+
+    @property
+    def predicted(self) -> float:
+        return predicted_speedup(self.acceptance, self.k, self.draft_cost, self.verify_cost)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "predicted_speedup": self.predicted}
+
+
+def speedup_model(stats: Stats | None, plain_step_s: float | None) -> SpeedupModel | None:
+    """The model for a mode's statistics against a plain step measured in seconds; None until both exist."""
+    if stats is None or not plain_step_s or not stats.num_draft_tokens:
+        return None
+    return SpeedupModel(
+        acceptance=stats.acceptance_rate or 0.0,
+        k=stats.mean_draft_len or 0.0,
+        draft_cost=stats.draft_s / stats.num_draft_tokens / plain_step_s,
+        verify_cost=stats.verify_s / stats.rounds / plain_step_s,
+        plain_step_s=plain_step_s,
+    )
+
+
+def measured_speedup(stats: Stats | None, plain: Stats | None) -> float | None:
+    """tokens/s of a mode over tokens/s of plain decoding."""
+    if stats is None or plain is None or not stats.tokens_per_s or not plain.tokens_per_s:
+        return None
+    return stats.tokens_per_s / plain.tokens_per_s

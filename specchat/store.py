@@ -1,0 +1,146 @@
+"""Where specchat keeps things on disk, and how it writes them: atomically, so a crash never leaves half a file.
+
+- cache (`SPECCHAT_CACHE_DIR`, else platformdirs' user cache): converted GGUF models, tuned settings,
+  low-rank factors; everything there can be recomputed.
+- data (`SPECCHAT_DATA_DIR`, else platformdirs' user data folder): what the user made: session exports
+  (F9), bench reports.
+- config (`SPECCHAT_CONFIG_DIR`, else platformdirs' user config folder): user themes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import platformdirs
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECCHAT_CACHE_DIR") or platformdirs.user_cache_path("specchat"))
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("SPECCHAT_DATA_DIR") or platformdirs.user_data_path("specchat"))
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("SPECCHAT_CONFIG_DIR") or platformdirs.user_config_path("specchat"))
+
+
+def models_dir() -> Path:
+    """Converted (dequantised GGUF) models."""
+    return cache_dir() / "models"
+
+
+def exports_dir() -> Path:
+    """Session exports written without --export."""
+    return data_dir() / "exports"
+
+
+def bench_dir() -> Path:
+    """`specchat bench` reports written without --out."""
+    return data_dir() / "bench"
+
+
+def user_themes_dir() -> Path:
+    return config_dir() / "themes"
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` (file or directory) to write; on success it replaces `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")) / path.name
+    try:
+        yield tmp
+        if tmp.is_file():
+            os.chmod(tmp, path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- per-model settings found by `specchat tune`
+
+
+def model_key(model) -> str:
+    """A file name for this model: its directory name plus a hash of its path and shape."""
+    config = model.config
+    source = str(getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", ""))
+    shape = f"{config.model_type}:{config.num_hidden_layers}:{config.hidden_size}:{config.vocab_size}"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(source).name) or config.model_type
+    return f"{stem}-{hashlib.sha1(f'{source}|{shape}'.encode()).hexdigest()[:10]}"
+
+
+def tuned_path(model) -> Path:
+    return cache_dir() / "tuned" / f"{model_key(model)}.json"
+
+
+def load_all_tuned(model) -> dict:
+    try:
+        return json.loads(tuned_path(model).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_tuned(model, mode: str) -> dict | None:
+    """The saved result of `specchat tune --mode <mode>` for this model, or None."""
+    entry = load_all_tuned(model).get(mode)
+    return entry if isinstance(entry, dict) else None
+
+
+def save_tuned(model, mode: str, result: dict) -> Path:
+    """Store one mode's result beside the others for this model."""
+    path = tuned_path(model)
+    data = load_all_tuned(model)
+    data[mode] = result
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+class TensorStore:
+    """Named tensor files (safetensors) in one folder: computed once, loaded afterwards (low-rank factors)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def load(self, key: str) -> dict[str, torch.Tensor] | None:
+        path = self.folder / f"{key}.safetensors"
+        if not path.is_file():
+            return None
+        try:
+            return load_file(path)
+        except Exception:  # a truncated or foreign file: the caller recomputes
+            return None
+
+    def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        with atomic_path(self.folder / f"{key}.safetensors") as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))

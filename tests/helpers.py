@@ -1,0 +1,272 @@
+"""Shared by the tests (never import one test module from another): tiny models, the exact-distribution
+machinery with its broken-rule control, and a scripted Session for fast UI tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, TokenEvent, generate
+from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
+from specchat.engine.cache import forward_logits, new_cache
+from specchat.engine.drafters import Drafter, ModeUnavailable
+from specchat.engine.sampling import logits_to_probs
+from specchat.session import Session
+from specchat.verify import sample_continuations
+
+# ---------------------------------------------------------------- tiny models
+
+TINY_VOCAB = 12
+
+
+def tiny_llama(seed: int, layers: int = 1, vocab: int = TINY_VOCAB, sharpen: float = 4.0, **overrides):
+    """A randomly initialised Llama small enough for thousands of draws; `sharpen` scales the LM head
+    so its distributions are peaked like a real model's (near-uniform ones would hide a bias)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>", "<system>"]
+WORDS = (
+    "the a an and or of to in on is are was it this that for with as be by at from not you i we they "
+    "hello world rain cat dog code python def return print list sort write story short text summary "
+    ". , ! ? : ( ) = + - 0 1 2 3"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace-split words; anything else is <unk>. Decoding joins tokens with spaces."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_model_dir(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 32) -> Path:
+    """Save a randomly initialised tiny Llama and its tokenizer to `path` (created) and return it."""
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # peaked distributions, like a real model's
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------- running the loop, exact distributions
+
+PROMPT = [1, 2, 3]
+ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the chance a correct rule fails
+
+
+def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None):
+    state = state or TargetState(target)
+    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+    generator = torch.Generator().manual_seed(seed)
+    records = list(generate(state, prompt, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=generator))
+    return [t.id for r in records for t in r.tokens], records
+
+
+class ResampleFromP(ExactRule):
+    """Deliberately broken: the right acceptance test, but a rejection resamples from p, not the residual."""
+
+    exact = False
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)
+        accept_probs = (px / qx).clamp(max=1.0)
+        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
+        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=False), accept_probs)
+
+
+def exact_joint(target, prompt, params, length):
+    """Enumerate the target's exact distribution over its first `length` tokens: {tuple: prob}."""
+    dist = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in dist.items():
+            logits = forward_logits(target, new_cache(target), prompt + list(prefix), keep=1)[-1]
+            for tok, p in enumerate(logits_to_probs(logits, params).tolist()):
+                if p > 0:
+                    nxt[prefix + (tok,)] = mass * p
+        dist = nxt
+    return dist
+
+
+def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0):
+    """`draws` independent generations of `length` tokens from PROMPT (the prefix cache is reused)."""
+    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+    generator = torch.Generator().manual_seed(seed)
+    return sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=length, eos_ids=set(), generator=generator)
+
+
+SAMPLING_CASES = {
+    "t1": SamplingParams(1.0),
+    "t0.7-topk5": SamplingParams(0.7, top_k=5),
+    "topp0.8": SamplingParams(1.0, top_p=0.8),
+}
+
+
+def chat_ids(loaded, text):
+    return loaded.chat_ids([{"role": "user", "content": text}])
+
+
+SMOL_PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a list."]
+
+
+# ---------------------------------------------------------------- a scripted Session for UI tests
+
+VOCAB = ["", " The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".", " It",
+         " was", " a", " sunny", " day", " and", " everyone", " smiled", "\n", " Then", " rain", " came", "!",
+         " maybe", " perhaps", " cat", " slow"]
+EOS = 0
+REPLY = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 19, 11, 12, 13, 14, 15, 16, 17, 18, 10, 20, 21, 22, 23]
+WRONG = [24, 25, 26, 27]  # what the fake draft proposes where the target disagrees
+ACCEPT_PATTERN = [4, 2, 0, 3, 1, 4]  # drafts accepted per round, cycling (clipped to K)
+
+
+class FakeDrafter(Drafter):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def propose(self, *args):  # never called: FakeSession scripts whole rounds
+        raise AssertionError("FakeSession does not run the loop")
+
+
+class FakeSession(Session):
+    """Subclasses the real Session and replaces only what needs a model (the chat template, the tokenizer
+    and the engine's rounds), so turns, per-mode statistics, snapshots and the lock are the real code."""
+
+    def __init__(self, *, mode="lookup", k=4, available=("off", "lookup"), draft_name=None, context_len=4096,
+                 reply=REPLY, gated=False, delay=0.0, fail_at=None, slow_modes=()) -> None:
+        self.target = SimpleNamespace(name="fake-target", model=None, tokenizer=None)
+        self.draft = SimpleNamespace(name=draft_name, model=None) if draft_name else None
+        self.available = set(available) | ({"draft"} if draft_name else set())
+        self.mode_options = {}
+        self.seed, self.max_new_tokens = 0, 64
+        self.state = SimpleNamespace(context_len=context_len)
+        self._drafters = {}
+        self.slow_modes, self.build_gate = set(slow_modes), threading.Event()  # slow drafters wait for build_gate
+        self.controls = Controls(self.drafter(mode), k=k, sampling=SamplingParams(temperature=0.0))
+        self.messages, self.turns, self.stats = [], [], {}
+        self._history = None
+        self.lock = threading.RLock()
+        self.eos_ids = {EOS}
+        self.device_label, self.dtype_label = "cpu", "float32"
+        self.script = list(reply)
+        self.gate = threading.Semaphore(0) if gated else None
+        self.delay, self.fail_at = delay, fail_at
+        self.rounds_made = 0
+
+    def drafter(self, mode):
+        if mode not in self.available:
+            raise ModeUnavailable(f"mode {mode!r} is not available yet")
+        if mode in self.slow_modes and mode not in self._drafters:
+            assert self.build_gate.wait(timeout=10), "the test never let the slow drafter finish"
+        return self._drafters.setdefault(mode, FakeDrafter(mode))
+
+    def chat_prompt(self, messages):
+        return [1] * sum(3 + len(m["content"].split()) for m in messages)
+
+    def _continue_conversation(self, messages):
+        return None  # no tokenizer: always the plain chat_prompt
+
+    def token_text(self, token_id):
+        return VOCAB[token_id]
+
+    def release(self, rounds=1):
+        """Let `rounds` more rounds run (gated sessions only)."""
+        for _ in range(rounds):
+            self.gate.release()
+
+    def _wait_for_gate(self) -> bool:
+        from textual.worker import get_current_worker
+
+        while not self.gate.acquire(timeout=0.02):
+            try:
+                if get_current_worker().is_cancelled:
+                    return False
+            except Exception:
+                pass
+        return True
+
+    def _rounds(self, prompt):
+        script, done, index = self.script, 0, 0
+        while done < len(script):
+            if self.gate is not None and not self._wait_for_gate():
+                return
+            if self.delay:
+                time.sleep(self.delay)
+            if self.fail_at is not None and index == self.fail_at:
+                raise RuntimeError("scripted failure")
+            mode = self.controls.mode
+            k = 0 if mode == "off" else min(self.controls.k, len(script) - done - 1)
+            n = min(ACCEPT_PATTERN[index % len(ACCEPT_PATTERN)], k)
+            ids = script[done : done + n + 1]
+            rejected = WRONG[: k - n] if n < k else []
+            tokens = []
+            for i, tok in enumerate(ids):
+                kind = "target" if k == 0 else "accepted" if i < n else ("resampled" if n < k else "bonus")
+                drafted = k > 0 and i < k
+                tokens.append(TokenEvent(
+                    id=tok, text=VOCAB[tok], kind=kind, round=index, position=i + 1,
+                    p=0.9 if kind == "accepted" else 0.6, q=0.8 if drafted else None,
+                    accept_prob=1.0 if kind == "accepted" else None,
+                    top_p=((tok, 0.6), (WRONG[0], 0.3)), top_q=((WRONG[0], 0.5), (tok, 0.4)) if drafted else (),
+                ))
+            done += len(ids)
+            draft_s, verify_s = 0.002 * k, 0.030 + 0.002 * k
+            record = RoundRecord(
+                index=index, mode=mode, draft_len=k, drafted=k, accepted=n, draft_calls=1 if k else 0,
+                draft_s=draft_s, verify_s=verify_s, wall_s=draft_s + verify_s + 0.001,
+                prefill_s=0.05 if index == 0 else 0.0, tokens=tokens, rejected=list(rejected),
+                stop_reason="eos" if done >= len(script) else None,
+            )
+            index += 1
+            self.rounds_made += 1
+            yield record
