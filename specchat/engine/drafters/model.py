@@ -37,6 +37,12 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model) -> None:
         self.model = model
+        # ids the target may emit beyond the draft's embedding table (a target padded larger) are fed as a
+        # token the draft knows: that changes the draft's context, never exactness (q stays what was sampled)
+        self.embed_size = model.get_input_embeddings().num_embeddings
+        config = model.config
+        known = [i for i in (config.pad_token_id, config.eos_token_id, 0) if isinstance(i, int) and 0 <= i < self.embed_size]
+        self.stand_in = known[0]
         self.reset()
 
     def reset(self) -> None:
@@ -45,6 +51,7 @@ class ModelDrafter(Drafter):
 
     def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
         """Feed `feed` after the cached tokens; the draft's logits for the next token, [V_target]."""
+        feed = [t if t < self.embed_size else self.stand_in for t in feed]
         return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
 
     def propose(self, state, k, params, generator) -> Proposal:
