@@ -8,6 +8,7 @@ from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.metrics import Stats
 from specchat.verify import goodness_of_fit
 
 # ---------------------------------------------------------------- greedy identity
@@ -61,6 +62,26 @@ def test_eos_and_max_new_tokens_end_like_plain_decoding(tiny_target, tiny_draft)
         assert records[-1].stop_reason == "eos"
         out, records = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=7)
         assert out == ref[:7] and records[-1].stop_reason == "max_new_tokens"
+
+
+def test_drafts_after_an_accepted_eos_are_not_counted(tiny_target):
+    """The target drafting for itself (greedy) accepts every draft; with an EOS inside a block, the drafts
+    after it are dropped unjudged: neither drafted nor accepted, so they cannot lower the acceptance rate."""
+    ref, _ = run(tiny_target, PlainDecoding(), PROMPT, k=1, params=SamplingParams(0), max_new_tokens=40)
+    for at in range(30):
+        eos = ref[at]
+        if eos in ref[:at]:
+            continue
+        controls = Controls(ModelDrafter(tiny_target), k=4, sampling=SamplingParams(0))
+        records = list(generate(TargetState(tiny_target), PROMPT, controls, max_new_tokens=40, eos_ids={eos}))
+        last = records[-1]
+        if last.tokens[-1].kind == "accepted" and len(last.tokens) < 4:
+            break
+    else:
+        raise AssertionError("no EOS position landed inside a drafted block")
+    assert last.stop_reason == "eos" and last.tokens[-1].id == eos and last.rejected == []
+    assert last.drafted == last.accepted == len(last.tokens) < 4
+    assert Stats.of(records).acceptance_rate == 1.0
 
 
 def test_seed_makes_sampling_reproducible(tiny_target, tiny_draft):

@@ -34,7 +34,7 @@ class RoundRecord:
     index: int
     mode: str
     draft_len: int  # K the drafter was asked for
-    drafted: int  # K actually proposed (a drafter may propose fewer)
+    drafted: int  # drafts proposed (a drafter may propose fewer than K) and judged: drafts after an accepted EOS are not counted
     accepted: int  # drafts accepted
     draft_calls: int  # forward passes of the drafter this round
     draft_s: float

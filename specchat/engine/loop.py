@@ -123,6 +123,8 @@ def generate(
             if tok in eos_ids:
                 new, stop_reason = new[: i + 1], "eos"
                 break
+        # drafts after an accepted EOS are dropped unjudged: they count as neither drafted nor accepted
+        judged = len(new) if len(new) <= n else n_drafted
         if produced + len(new) >= limit:
             new = new[: limit - produced]
             stop_reason = stop_reason or ("max_new_tokens" if limit == max_new_tokens else "context")
@@ -133,7 +135,7 @@ def generate(
             index=round_index,
             mode=drafter.name,
             draft_len=k,
-            drafted=n_drafted,
+            drafted=judged,
             accepted=min(n, len(new)),
             draft_calls=proposal.calls,
             draft_s=t1 - t0,
