@@ -8,7 +8,7 @@ from specchat.engine.metrics import Stats, expected_tokens_per_round, predicted_
 from specchat.engine.sampling import SamplingParams
 from specchat.export import mode_summary
 from specchat.session import Snapshot
-from specchat.tui.widgets import estimate_speedup
+from specchat.tui.widgets.panel import estimate_speedup
 from specchat.tune.search import measured_candidate
 
 

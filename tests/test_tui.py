@@ -15,7 +15,8 @@ from textual.widgets import Input
 
 from specchat.engine import SamplingParams
 from specchat.tui import app as app_module
-from specchat.tui.app import LogScreen, SpecChatApp, run_chat
+from specchat.tui.app import SpecChatApp, run_chat
+from specchat.tui.log import LogScreen
 from specchat.tui.themes import BUILTIN_THEMES, load_themes
 from specchat.tui.widgets import Conversation, Inspector, Legend, ReplyView, StatsPanel
 from helpers import ACCEPT_PATTERN, REPLY, VOCAB, WRONG, FakeSession

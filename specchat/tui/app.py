@@ -1,7 +1,7 @@
 """The specchat chat app: a thin App whose actions delegate to the session and the widgets.
 
-Generation runs in a thread worker that posts one RoundDone message per round (post_message is
-thread-safe and never blocks the decoder); the UI thread only draws.
+Generation runs in a thread worker that posts one RoundDone message per round (messages.py: post_message
+is thread-safe and never blocks the decoder); the UI thread only draws.
 """
 
 from __future__ import annotations
@@ -14,20 +14,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
-from rich.text import Text
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
-from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Header, Input, RichLog
+from textual.reactive import var
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
 from specchat.engine.drafters import MODES, ModeUnavailable
-from specchat.engine.events import RoundRecord
 from specchat.export import default_export_path, write_export
-from specchat.session import PromptTooLong, Session, Snapshot
+from specchat.session import PromptTooLong, Session
+from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
+from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
 
@@ -39,100 +39,11 @@ K_RANGE = (1, 16)
 TEMPERATURE_STEP = 0.1
 
 
-class RoundDone(Message):
-    """Posted by the generation thread after every round: the round for the reply view, and the session's
-    statistics right after it for the panel. The UI never reads the session's lock."""
-
-    def __init__(self, record: RoundRecord, snapshot: Snapshot) -> None:
-        super().__init__()
-        self.record, self.snapshot = record, snapshot
-
-
-class ReplyFinished(Message):
-    def __init__(self, stopped: bool, error: str | None = None) -> None:
-        super().__init__()
-        self.stopped, self.error = stopped, error
-
-
-class ModeReady(Message):
-    """A drafter was built (or could not be) in a thread: building one may take seconds."""
-
-    def __init__(self, mode: str, error: str | None = None) -> None:
-        super().__init__()
-        self.mode, self.error = mode, error
-
-
-class LogLine(Message):
-    def __init__(self, text: str, level: str = "info") -> None:
-        super().__init__()
-        self.text, self.level = text, level
-
-
-class LogScreen(ModalScreen):
-    """Warnings, captured prints and log records: nothing is written over the chat screen."""
-
-    DEFAULT_CSS = """
-    LogScreen { align: center middle; }
-    LogScreen > RichLog { width: 90%; height: 80%; border: round $primary; background: $surface; }
-    """
-    BINDINGS = [Binding("escape,f12", "dismiss", "close log", id="log.close")]
-
-    def __init__(self, lines: list[tuple[str, str]]) -> None:
-        super().__init__()
-        self.lines = lines
-
-    def compose(self) -> ComposeResult:
-        log = RichLog(wrap=True, markup=False, highlight=False)
-        log.border_title = "log (Esc to close)"
-        yield log
-
-    def on_mount(self) -> None:
-        log = self.query_one(RichLog)
-        if not self.lines:
-            log.write(Text("nothing logged yet", style="dim"))
-        for text, level in self.lines:
-            log.write(Text(text, style={"warning": "yellow", "error": "bold red"}.get(level, "")))
-
-
-class _LogHandler(logging.Handler):
-    """Routes log records (and, through logging.captureWarnings, Python warnings) to the app's log view."""
-
-    def __init__(self, app: "SpecChatApp") -> None:
-        super().__init__(logging.WARNING)
-        self.app = app
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.app.post_message(LogLine(self.format(record), record.levelname.lower()))
-        except Exception:  # never let logging break generation
-            pass
-
-
-def _route_transformers_logging(to_root: bool) -> None:
-    """transformers' handler holds the real stderr and would write over the screen: send its records to
-    the root logger (and so to the log view) while the app runs."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    if to_root:
-        hf_logging.disable_default_handler()
-        hf_logging.enable_propagation()
-    else:
-        hf_logging.disable_propagation()
-        hf_logging.enable_default_handler()
-
-
 class SpecChatApp(App):
     """Chat with speculative decoding shown live."""
 
     TITLE = "specchat"
-    CSS = """
-    #main { height: 1fr; }
-    #chat { width: 1fr; }
-    #side { width: 40%; min-width: 36; max-width: 52; border-left: solid $panel-lighten-2; }
-    #prompt { margin: 0 1; }
-    """
+    CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so subclasses in other folders (the tests') find it
     BINDINGS = [
         *(Binding(key.lower(), f"mode('{mode}')", mode, id=f"mode.{mode}") for mode, key in MODE_KEYS.items()),
         Binding("escape", "stop", "stop", id="reply.stop"),
@@ -141,6 +52,11 @@ class SpecChatApp(App):
         Binding("f12", "show_log", "log", id="view.log"),
         Binding("ctrl+q", "quit", "quit", id="app.quit", priority=True),
     ]
+
+    # Widgets are data-bound to these (Conversation.streaming, Legend/ReplyView.show_rejected), so they never
+    # read the app; bindings=True redraws the footer, where Esc (stop) shows only while a reply streams.
+    generating = var(False, init=False, bindings=True)
+    show_rejected = var(False, init=False)  # F10: rejected drafts inline
 
     def __init__(
         self,
@@ -153,7 +69,6 @@ class SpecChatApp(App):
         super().__init__()
         self.session = session
         self.export_path = Path(export_path) if export_path else None
-        self.generating = False
         self.reply_view: ReplyView | None = None
         self.snapshot = session.snapshot()  # what the panel shows: the latest from RoundDone, or taken after a change
         self.unavailable: dict[str, str] = {}
@@ -164,7 +79,8 @@ class SpecChatApp(App):
         self._reply_timer = None
         self.log_lines: list[tuple[str, str]] = []
         self.startup_notices: list[str] = []
-        self._log_handler: _LogHandler | None = None
+        self._log_handler: LogHandler | None = None
+        self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
         self._setup_themes(theme, theme_dirs)
         draft = f" + {session.draft.name}" if session.draft is not None else ""
         where = " ".join(x for x in (session.device_label, session.dtype_label) if x)
@@ -191,9 +107,9 @@ class SpecChatApp(App):
         yield Header(show_clock=False, icon="◆")
         with Horizontal(id="main"):
             with Vertical(id="chat"):
-                yield Conversation(id="conversation")
+                yield Conversation(id="conversation").data_bind(streaming=SpecChatApp.generating)
                 yield Inspector(id="inspector")
-                yield Legend(id="legend")
+                yield Legend(id="legend").data_bind(SpecChatApp.show_rejected)
                 yield Input(placeholder="Message  (Enter sends · F2–F8 modes · Tab, then ←/→ inspects tokens)", id="prompt")
             with Vertical(id="side"):
                 yield StatsPanel(id="stats-panel")
@@ -206,10 +122,10 @@ class SpecChatApp(App):
         self.query_one("#prompt", Input).focus()
         self.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panel())
         self.begin_capture_print(self, stdout=True, stderr=True)
-        self._log_handler = _LogHandler(self)
+        self._log_handler = LogHandler(self)
         logging.getLogger().addHandler(self._log_handler)
         logging.captureWarnings(True)
-        _route_transformers_logging(to_root=True)
+        route_transformers_logging(to_root=True)
         for notice in self.startup_notices:
             self.warn(notice)
 
@@ -217,7 +133,7 @@ class SpecChatApp(App):
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)
             logging.captureWarnings(False)
-            _route_transformers_logging(to_root=False)
+            route_transformers_logging(to_root=False)
 
     # ------------------------------------------------------------------ notices and log
     def log_line(self, text: str, level: str = "info") -> None:
@@ -258,11 +174,10 @@ class SpecChatApp(App):
         event.input.value = ""
         conversation = self.query_one(Conversation)
         conversation.mount(UserView(text))
-        self.reply_view = ReplyView(len(self.session.turns))
-        self.reply_view.show_rejected = self.query_one(Legend).show_rejected
+        self.reply_view = ReplyView(len(self.session.turns)).data_bind(SpecChatApp.show_rejected)
         conversation.mount(self.reply_view)
         conversation.anchor()
-        self.set_generating(True)
+        self.generating = True
         self.generate_reply(text)
 
     @work(thread=True, exclusive=True, group="reply")
@@ -301,25 +216,21 @@ class SpecChatApp(App):
             self.reply_view.redraw()
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
-        self.set_generating(False)
+        self.generating = False
         if self._reply_timer is not None:
             self._reply_timer.stop()
         self.redraw_reply()
         if self.reply_view is not None:
             turn = self.session.turns[-1] if self.session.turns else None
             if message.error:
-                self.reply_view.set_status("error")
+                self.reply_view.status = "error"
             elif message.stopped:
-                self.reply_view.set_status(f"stopped · {len(self.reply_view.tokens)} tokens kept")
+                self.reply_view.status = f"stopped · {len(self.reply_view.tokens)} tokens kept"
             elif turn is not None and turn.stop_reason not in (None, "eos"):
-                self.reply_view.set_status(f"stopped at {turn.stop_reason.replace('_', ' ')}")
+                self.reply_view.status = f"stopped at {turn.stop_reason.replace('_', ' ')}"
         if message.error:
             self.warn(message.error, "error")
         self.refresh_panel()
-
-    def set_generating(self, value: bool) -> None:
-        self.generating = value
-        self.refresh_bindings()
 
     def refresh_panel(self, *, retake: bool = True) -> None:
         """Redraw the panel; `retake` takes a fresh snapshot (after a setting changed, or when idle)."""
@@ -410,19 +321,14 @@ class SpecChatApp(App):
     def action_toggle_greedy(self) -> None:
         s = self.session.controls.sampling
         if s.greedy:
-            self.set_sampling(temperature=getattr(self, "_last_temperature", 0.7))
+            self.set_sampling(temperature=self._last_temperature)
         else:
             self._last_temperature = s.temperature
             self.set_sampling(temperature=0.0)
 
     def action_toggle_rejected(self) -> None:
-        legend = self.query_one(Legend)
-        legend.show_rejected = not legend.show_rejected
-        legend.refresh()
-        for reply in self.query(ReplyView):
-            reply.show_rejected = legend.show_rejected
-            reply.refresh(layout=True)
-        self.notify("Showing rejected drafts inline" if legend.show_rejected else "Hiding rejected drafts", timeout=2)
+        self.show_rejected = not self.show_rejected
+        self.notify("Showing rejected drafts inline" if self.show_rejected else "Hiding rejected drafts", timeout=2)
 
     def action_set_theme(self, name: str) -> None:
         self.theme = name

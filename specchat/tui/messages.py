@@ -1,0 +1,43 @@
+"""The messages the app's worker threads post to the UI thread.
+
+post_message is thread-safe and never blocks, so the decoder hands each round over and goes on; everything
+a message carries is already computed, so the UI never reads the session's lock.
+"""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+from specchat.engine.events import RoundRecord
+from specchat.session import Snapshot
+
+
+class RoundDone(Message):
+    """Posted by the generation thread after every round: the round for the reply view, and the session's
+    statistics right after it for the panel."""
+
+    def __init__(self, record: RoundRecord, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.record, self.snapshot = record, snapshot
+
+
+class ReplyFinished(Message):
+    def __init__(self, stopped: bool, error: str | None = None) -> None:
+        super().__init__()
+        self.stopped, self.error = stopped, error
+
+
+class ModeReady(Message):
+    """A drafter was built (or could not be) in a thread: building one may take seconds."""
+
+    def __init__(self, mode: str, error: str | None = None) -> None:
+        super().__init__()
+        self.mode, self.error = mode, error
+
+
+class LogLine(Message):
+    """A log record from any thread, for the log view (F12)."""
+
+    def __init__(self, text: str, level: str = "info") -> None:
+        super().__init__()
+        self.text, self.level = text, level

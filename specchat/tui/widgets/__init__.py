@@ -1,0 +1,9 @@
+"""The chat's widgets, one module each; the app imports them from here."""
+
+from specchat.tui.widgets.conversation import Conversation
+from specchat.tui.widgets.inspector import Inspector
+from specchat.tui.widgets.legend import Legend
+from specchat.tui.widgets.panel import MODE_KEYS, StatsPanel
+from specchat.tui.widgets.reply import ReplyView, UserView
+
+__all__ = ["MODE_KEYS", "Conversation", "Inspector", "Legend", "ReplyView", "StatsPanel", "UserView"]

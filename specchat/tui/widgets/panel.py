@@ -1,0 +1,169 @@
+"""The statistics panel, drawn from a session Snapshot the app passes in (the UI never reads the session's lock)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from specchat.engine.drafters import MODES
+from specchat.engine.metrics import Stats, measured_speedup
+from specchat.fmt import fixed as fmt
+from specchat.fmt import pct
+from specchat.session import Snapshot
+
+MODE_KEYS = {mode: f"F{i}" for i, mode in enumerate(MODES, start=2)}
+
+
+def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
+    """The predicted speedup (engine.metrics.SpeedupModel) of `mode`, or why there is none yet."""
+    step = snapshot.plain_step_s
+    if step is None:
+        return None, "no plain step measured yet: press F2 and send a message"
+    if mode == "off":
+        return 1.0, f"plain decoding is the baseline ({1000 * step:.1f} ms/step)"
+    model = snapshot.speedup(mode)
+    if model is None:
+        return None, f"no drafted rounds in {mode} yet"
+    return model.predicted, (
+        f"a={model.acceptance:.2f} K={model.k:.3g}: draft {model.draft_cost:.2f}, "
+        f"verify {model.verify_cost:.2f} plain steps ({1000 * step:.1f} ms)"
+    )
+
+
+def spark(values: list[float]) -> str:
+    """Acceptance per round on an absolute 0..1 scale (a relative scale would exaggerate small changes)."""
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(7, max(0, round(v * 7)))] for v in values)
+
+
+def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
+    """This reply next to the whole session in the current mode (statistics are kept per mode)."""
+    table = Table(box=None, padding=(0, 0, 0, 1), expand=True, show_edge=False)
+    table.add_column("", style="dim", no_wrap=True, overflow="ellipsis")
+    table.add_column("reply", justify="right", no_wrap=True, min_width=6)
+    table.add_column(f"{mode} all", justify="right", no_wrap=True, overflow="ellipsis", min_width=6)
+    rows = [
+        ("acceptance", lambda s: pct(s.acceptance_rate)),
+        ("mean acc. length", lambda s: fmt(s.mean_accepted_length)),
+        ("target calls/tok", lambda s: fmt(s.target_calls_per_token)),
+        ("draft calls/tok", lambda s: fmt(s.draft_calls_per_token)),
+        ("tokens/s", lambda s: fmt(s.tokens_per_s, ".1f")),
+        ("ms/token", lambda s: fmt(s.ms_per_token, ".1f")),
+        ("1st token ms", lambda s: fmt(s.time_to_first_token_s and 1000 * s.time_to_first_token_s, ".0f")),
+        ("draft ms/round", lambda s: fmt(s.draft_ms_per_round, ".1f")),
+        ("verify ms/round", lambda s: fmt(s.verify_ms_per_round, ".1f")),
+        ("tokens", lambda s: str(s.new_tokens)),
+    ]
+    for label, value in rows:
+        table.add_row(label, value(reply), value(session))
+    return table
+
+
+def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) -> Text:
+    text = Text()
+    rates = stats.per_position_acceptance if stats else []
+    if not rates:
+        return Text("no drafts proposed yet", style="dim")
+    for i, (rate, n) in enumerate(zip(rates, stats.num_draft_tokens_per_pos), start=1):
+        full = round(rate * width)
+        text.append(f"{i:>2} ")
+        text.append("━" * full, style=colour)
+        text.append("─" * (width - full), style="dim")
+        text.append(f" {100 * rate:3.0f}% ({n})\n")
+    text.rstrip()
+    return text
+
+
+def modes_table(stats: dict[str, Stats], current: str, unavailable: dict[str, str], pending: str | None) -> Table:
+    table = Table(box=None, padding=(0, 1), show_edge=False)
+    for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"), ("×off", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for mode in MODES:
+        key = MODE_KEYS[mode]
+        marker = "●" if mode == current else "…" if mode == pending else " "
+        if mode in unavailable:
+            table.add_row(Text(key, style="dim"), Text(f"{mode}", style="dim strike"),
+                          Text("unavailable", style="dim"), "", "")
+            continue
+        s = stats.get(mode)
+        style = "bold" if mode == current else ""
+        table.add_row(
+            Text(key, style="dim"),
+            Text(f"{marker}{mode}", style=style),
+            pct(s.acceptance_rate) if s else "",
+            fmt(s.tokens_per_s, ".1f") if s else "",
+            fmt(measured_speedup(s, stats.get("off")), ".2f") if s else "",
+        )
+    return table
+
+
+class StatsPanel(VerticalScroll, can_focus=False):
+    """Live statistics, drawn from the latest session Snapshot (redrawn on a timer while a reply streams)."""
+
+    # the bars take the accepted tokens' colour from the panel's own styles, so they follow the theme
+    COMPONENT_CLASSES = {"token--accepted"}
+    DEFAULT_CSS = """
+    StatsPanel { height: 1fr; padding: 0 0 0 1; overflow-x: hidden; scrollbar-gutter: stable; scrollbar-size-vertical: 1; }
+    StatsPanel > .token--accepted { color: $token-accepted; }
+    StatsPanel > .section { color: $primary; text-style: bold; margin-top: 1; }
+    StatsPanel > #mode-line { margin-top: 0; }
+    /* fixed heights: updates need no layout pass (which would re-measure everything on screen) */
+    StatsPanel > #mode-line { height: 2; }
+    StatsPanel > #stats { height: 11; }
+    StatsPanel > #spark { height: 1; }
+    StatsPanel > #speedup { height: 3; }
+    StatsPanel > #modes { height: 8; }
+    StatsPanel > #spark { margin-top: 1; }
+    """
+
+    _position_lines = -1
+
+    def compose(self):
+        yield Static(id="mode-line")
+        yield Static(id="stats")
+        yield Static(id="spark")
+        yield Static("acceptance by draft position", classes="section")
+        yield Static(id="positions")
+        yield Static("estimated speedup over plain", classes="section")
+        yield Static(id="speedup")
+        yield Static("modes this session", classes="section")
+        yield Static(id="modes")
+
+    def show(self, snapshot: Snapshot, *, unavailable: dict[str, str], pending: str | None) -> None:
+        mode, stats, recent = snapshot.mode, snapshot.stats, snapshot.recent
+        sampling = snapshot.sampling
+        how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
+        if not sampling.greedy and sampling.top_k:
+            how += f" top-k={sampling.top_k}"
+        if not sampling.greedy and sampling.top_p < 1:
+            how += f" top-p={sampling.top_p:g}"
+        exact = "exact" if snapshot.exact else "APPROXIMATE"
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
+                             ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
+        if pending:
+            line.append(f"\nswitching to {pending}…", style="italic")
+        self.query_one("#mode-line", Static).update(line, layout=False)
+        self.query_one("#stats", Static).update(stats_table(snapshot.reply, stats.get(mode, Stats()), mode), layout=False)
+        accepted = self.get_component_rich_style("token--accepted", partial=True).color
+        colour = accepted.name if accepted is not None else "green"
+        label = "recent rounds "
+        fits = max(1, (self.scrollable_content_region.width or 40) - len(label))  # the latest rounds that fit on the line
+        recent_line = Text.assemble((label, "bold"), (spark(recent[-fits:]), colour) if recent else ("no drafts yet", "dim"))
+        self.query_one("#spark", Static).update(recent_line, layout=False)
+        positions = positions_text(stats.get(mode), colour)
+        lines = len(positions.plain.splitlines())
+        self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
+        self._position_lines = lines
+        value, why = estimate_speedup(snapshot, mode)
+        measured = measured_speedup(stats.get(mode), stats.get("off"))
+        speed = Text()
+        speed.append("–" if value is None else f"{value:.2f}×", style="bold")
+        speed.append(" predicted")
+        if measured is not None and mode != "off":
+            speed.append(f"   {measured:.2f}×", style="bold")
+            speed.append(" measured")
+        speed.append(f"\n{why}", style="dim")
+        self.query_one("#speedup", Static).update(speed, layout=False)
+        self.query_one("#modes", Static).update(modes_table(stats, mode, unavailable, pending), layout=False)
