@@ -105,12 +105,20 @@ def test_sampled_output_matches_target_distribution(rough_target, case):
     assert result.passed(ALPHA), result
 
 
+@pytest.fixture(scope="module")
+def smol_lowrank(smol):
+    """One low-rank draft of the default model for every prompt; its factors stay in the tests' cache."""
+    from specchat.store import TensorStore, cache_dir
+
+    return build_drafter("lowrank", smol.model, rank=0.5, calibration=32, factor_store=TensorStore(cache_dir() / "lowrank"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("text", SMOL_PROMPTS)
-def test_default_model_greedy_matches_hf_generate(smol, text):
+def test_default_model_greedy_matches_hf_generate(smol, smol_lowrank, text):
     prompt = chat_ids(smol, text)
     ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)  # stops at EOS
-    drafter = build_drafter("lowrank", smol.model, rank=0.5, calibration=32)
+    drafter = smol_lowrank
     state = TargetState(smol.model)
     controls = Controls(drafter, k=4, sampling=SamplingParams(0))
     records = list(generate(state, prompt, controls, max_new_tokens=24, eos_ids={smol.model.generation_config.eos_token_id}))
