@@ -8,6 +8,7 @@ from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.sampling import logits_to_probs
 from specchat.engine.metrics import Stats
 from specchat.verify import goodness_of_fit
 
@@ -152,3 +153,41 @@ def test_start_reuses_the_cache_when_a_new_prompt_extends_the_old_one(tiny_targe
     cached = state.verify([])[-1]
     fresh = forward_logits(tiny_target, new_cache(tiny_target), extended, keep=1)[-1]
     torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the context window and the token events
+
+
+def test_generation_stops_at_the_context_window_and_never_verifies_past_it(tiny_target, tiny_draft):
+    context = tiny_target.config.max_position_embeddings  # 128
+    prompt = [(i * 7) % 12 for i in range(context - 7)]
+    out, records = run(tiny_target, ModelDrafter(tiny_draft), prompt, k=5, params=SamplingParams(1.0), max_new_tokens=50)
+    assert len(prompt) + len(out) == context and records[-1].stop_reason == "context"
+    covered = len(prompt)
+    for r in records:
+        assert covered + r.draft_len <= context - 1  # the verify feeds K+1 positions ending before the window's end
+        covered += r.emitted
+    assert max(r.draft_len for r in records) > 1  # K was capped, not zero
+
+
+def test_token_events_carry_the_real_p_q_and_acceptance(tiny_target, tiny_draft):
+    """Recompute every event's numbers from the models: p(x) from the target, q(x) from the draft at that prefix."""
+    params = SamplingParams(0.8, top_k=6)
+    out, records = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=params, max_new_tokens=30, seed=4)
+    ids = list(PROMPT)
+    kinds = set()
+    for r in records:
+        for t in r.tokens:
+            kinds.add(t.kind)
+            p = logits_to_probs(forward_logits(tiny_target, new_cache(tiny_target), ids, keep=1)[-1], params)
+            assert t.p == pytest.approx(float(p[t.id]), abs=1e-5)
+            assert t.top_p[0][1] == pytest.approx(float(p.max()), abs=1e-5) and [x for _, x in t.top_p] == sorted((x for _, x in t.top_p), reverse=True)
+            if t.kind in ("accepted", "resampled"):
+                q = logits_to_probs(forward_logits(tiny_draft, new_cache(tiny_draft), ids, keep=1)[-1], params)
+                assert t.q == pytest.approx(float(q[t.id]), abs=1e-5) and t.top_q[0][1] == pytest.approx(float(q.max()), abs=1e-5)
+            else:
+                assert t.q is None and t.top_q == ()
+            if t.kind == "accepted":
+                assert t.accept_prob == pytest.approx(min(1.0, t.p / t.q), abs=1e-5)
+            ids.append(t.id)
+    assert {"accepted", "resampled", "bonus"} <= kinds
