@@ -76,6 +76,7 @@ def session_data(session) -> dict:
         "draft": session.draft.name if session.draft is not None else None,
         "device": session.device_label,
         "dtype": session.dtype_label,
+        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
         "hardware": hardware_info(session.device_label, session.dtype_label),
         "mode": snapshot.mode,
         "draft_len": snapshot.k,
@@ -146,3 +147,24 @@ def write_export(session, path: Path) -> tuple[Path, Path]:
 def default_export_path() -> Path:
     """F9 without --export: a timestamped file in the user data folder (never the source tree)."""
     return exports_dir() / f"specchat-session-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def save_export(session, path: Path) -> str:
+    """Write the export to `path` and return one line saying where it went. Should that fail (the folder went
+    away, the disk is full), the session goes to a new file in the user data folder (store.exports_dir)
+    instead, and the line says so: a session is not lost to a bad path."""
+    try:
+        json_path, csv_path = write_export(session, path)
+        return f"session exported to {json_path} and {csv_path}"
+    except Exception as e:  # OSError mostly; whatever it was, the fallback below still saves the session
+        why = _why(e)
+    fallback = default_export_path()
+    try:
+        json_path, csv_path = write_export(session, fallback)
+    except Exception as e:
+        return f"could not write the export to {path} ({why}) nor to {fallback} ({_why(e)}): the session was not saved"
+    return f"could not write the export to {path} ({why}); saved the session to {json_path} and {csv_path} instead"
+
+
+def _why(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"

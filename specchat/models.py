@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -121,6 +122,17 @@ def convert_gguf(path: Path) -> Path:
     return out
 
 
+def _interrupted(e: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the exceptions that led to `e`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:200] if text else ""
@@ -146,6 +158,19 @@ def resolve(spec: str | None) -> tuple[str, str]:
     return spec, spec  # a hub id, resolved from the local Hugging Face cache
 
 
+@contextlib.contextmanager
+def quiet_hub():
+    """The hub client's warnings (`Retrying in 8s [Retry 1/5]` while a download cannot connect) stay off the
+    terminal: what went wrong reaches the user as one ModelError line."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def load_model(
     spec: str | None,
     device: torch.device,
@@ -153,28 +178,35 @@ def load_model(
     *,
     device_map: str | None = None,
     trust_remote_code: bool = False,
+    download: bool = False,
 ) -> LoadedModel:
+    """A hub id is read from the local Hugging Face cache only (no network) unless `download` is true."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     name, source = resolve(spec)
     is_hub_id = source == spec and not Path(spec).exists()
-    offline = is_hub_id and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_hub_id and offline or None)
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = dict(trust_remote_code=trust_remote_code)
+    if is_hub_id and not download:
+        kwargs["local_files_only"] = True
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, device_map=device_map, use_safetensors=True, **kwargs
-        )
+        with quiet_hub():
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, device_map=device_map, use_safetensors=True, **kwargs
+            )
     except Exception as e:  # a broken model directory can fail in many ways; the user gets one line
-        if is_hub_id:
+        if _interrupted(e):  # Ctrl+C inside a library that wrapped it (transformers' lazy imports do)
+            raise KeyboardInterrupt from e
+        if is_hub_id and not download:
             hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
             raise ModelError(
                 f"model {spec!r} not found in the local Hugging Face cache ({hf_home}); "
-                f"download it first or pass a local directory or .gguf file"
+                f"pass --download to fetch it from the Hub, or pass a local directory or .gguf file"
             ) from e
+        if is_hub_id:
+            raise ModelError(f"cannot load or download model {spec!r} from the Hugging Face Hub: {_first_line(e)}") from e
         raise ModelError(f"cannot load model from {name}: {_first_line(e)}") from e
     if device_map is None:
         model.to(device)

@@ -13,9 +13,10 @@ import torch
 from specchat import store
 from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
 from specchat.engine.detokenize import IncrementalDecoder
-from specchat.engine.drafters import TUNABLE, Drafter, build_drafter
+from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.metrics import SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
+from specchat.modes import TUNABLE
 
 RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
 

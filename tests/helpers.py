@@ -16,6 +16,7 @@ from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, 
 from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter, ModeUnavailable
+from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.sampling import logits_to_probs
 from specchat.session import Session
 from specchat.verify import sample_continuations
@@ -270,3 +271,81 @@ class FakeSession(Session):
             index += 1
             self.rounds_made += 1
             yield record
+
+
+# ---------------------------------------------------------------- broken rules that claim to be exact (verify's power)
+
+
+class ResampleFromPClaimingExact(ResampleFromP):
+    """ResampleFromP marked exact, as a silent bug would be: `verify` must say FAIL, not "approximate"."""
+
+    exact = True
+
+
+class BonusFromPreviousPosition(ExactRule):
+    """Deliberately broken: after a fully accepted block the bonus is drawn from p[K-1] instead of p[K]."""
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)
+        accept_probs = (px / qx).clamp(max=1.0)
+        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
+        k = draft_ids.numel()
+        if n == k and k > 0:
+            return Verdict(n, draw_next(n - 1, q, p, generator, greedy, residual=False), accept_probs)  # p[K-1]
+        return Verdict(n, draw_next(n, q, p, generator, greedy), accept_probs)
+
+
+class QWithoutTopK(ModelDrafter):
+    """Deliberately broken drafter: it samples its drafts with the session's top-k but reports the q computed
+    without top-k (reverse=True: samples without top-k, reports the top-k-filtered q)."""
+
+    name = "draft"
+
+    def __init__(self, model, reverse: bool = False) -> None:
+        super().__init__(model)
+        self.reverse = reverse
+        self.logits: list[torch.Tensor] = []
+
+    def next_logits(self, feed, vocab_size):
+        logits = super().next_logits(feed, vocab_size)
+        self.logits.append(logits)
+        return logits
+
+    def propose(self, state, k, params, generator):
+        no_top_k = SamplingParams(params.temperature, 0, params.top_p)
+        drawn_with, reported = (no_top_k, params) if self.reverse else (params, no_top_k)
+        self.logits = []
+        proposal = super().propose(state, k, drawn_with, generator)
+        if proposal.q is not None:
+            proposal.q = logits_to_probs(torch.stack(self.logits[: proposal.ids.numel()]), reported)
+        return proposal
+
+
+class TableLM(torch.nn.Module):
+    """A bigram language model that ModelDrafter can run: the next-token logits depend only on the last token
+    (a [V, V] table) and it keeps no KV cache. A draft costs a table look-up instead of a transformer forward,
+    so a test can afford thousands of draws per run."""
+
+    def __init__(self, table: torch.Tensor, config) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(table.float(), requires_grad=False)  # [V, V]
+        self.config = config  # the target's: new_cache() builds an (unused) cache from it
+        self.embed = torch.nn.Embedding(table.shape[0], 1)  # ModelDrafter reads only num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, logits_to_keep: int = 1, **kwargs):
+        return SimpleNamespace(logits=self.table[input_ids[:, -logits_to_keep:]])  # [1, keep, V]
+
+
+def bigram_draft(target, scale: float = 0.5) -> TableLM:
+    """A draft that agrees with `target` only roughly: the target's logits after each single token (the rest
+    of the context ignored), times `scale` (< 1: a less confident draft, as small drafts are)."""
+    vocab = target.config.vocab_size
+    table = torch.stack([forward_logits(target, new_cache(target), [t], keep=1)[-1] for t in range(vocab)])  # [V, V]
+    return TableLM(table * scale, target.config)

@@ -86,7 +86,8 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert pairs["hf-assisted K=2 T=0"]["specchat"] == "draft K=2 T=0"
 
     checks = data["checks"]
-    assert checks["greedy_identity"] == []  # the draft is the target itself: exact, so identical
+    # the draft is the target itself: exact, so identical (two prompts, one repeat)
+    assert checks["greedy_identity"] == {"verdict": "pass", "compared": 2, "failures": []}
     assert [v["config"] for v in checks["distribution"]] == ["draft K=2 T=0.7"]
     assert checks["distribution"][0]["verdict"] == "pass"
     assert checks["hf_greedy"]["compared"] == 2
@@ -165,8 +166,10 @@ def test_paired_ratio_and_greedy_identity_failure():
     runs = [run("off T=0", "a", 10.0, [1, 2, 3]), run("off T=0", "b", 20.0, [4, 5]),
             run("draft K=2 T=0", "a", 15.0, [1, 2, 3]), run("draft K=2 T=0", "b", 50.0, [4, 6])]
     assert runner.paired_ratio(runs, "draft K=2 T=0", "off T=0", "tokens_per_s") == pytest.approx((1.5 + 2.5) / 2)
-    failures = runner.greedy_identity([runner.Config("off", 0, 0.0), runner.Config("draft", 2, 0.0)], runs)
-    assert failures == [{"config": "draft K=2 T=0", "prompt": "b", "repeat": 0, "first_difference": 1}]
+    identity = runner.greedy_identity([runner.Config("off", 0, 0.0), runner.Config("draft", 2, 0.0)], runs)
+    assert identity == {"verdict": "fail", "compared": 2,
+                        "failures": [{"config": "draft K=2 T=0", "prompt": "b", "repeat": 0, "first_difference": 1}]}
+    assert runner.greedy_identity([runner.Config("off", 0, 0.0)], runs)["verdict"] == "not run"
 
 
 # ---------------------------------------------------------------- bad input, before any model loads

@@ -51,10 +51,20 @@ def test_generate_raw_plain_mode():
 
 
 def test_verify_passes_for_draft_mode(default_dir):
-    r = invoke("verify", "--draft", default_dir, "-n", 60, "--tokens", 1, "--seed", 0, "--format", "json")
+    r = invoke("verify", "--draft", default_dir, "-n", 60, "--seed", 0, "--format", "json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["verdict"] == "pass" and report["exact"] is True and report["samples"] == 60 and 0 <= report["p_value"] <= 1
+    assert report["tokens"] == report["generated"] == 5 and [p["position"] for p in report["positions"]] == [1, 2, 3, 4, 5]
+    assert report["max_drafted"] == 4 and min(report["drafted_per_position"]) > 0  # every draft position was tested
+
+
+def test_verify_lookup_drafts_on_its_default_prompt():
+    """Lookup's default conversation repeats a sentence, so it drafts all K positions from the first round."""
+    r = invoke("verify", "--mode", "lookup", "-n", 40, "--seed", 0, "--format", "json")
+    report = json.loads(r.stdout)
+    assert r.exit_code == 0 and report["verdict"] == "pass", r.output
+    assert report["max_drafted"] == 4 and report["drafted_per_position"][3] >= 40 and report["prompt"] is None
 
 
 def test_no_subcommand_starts_the_chat_or_says_why(monkeypatch):

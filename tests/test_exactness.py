@@ -149,7 +149,7 @@ def test_start_reuses_the_cache_when_a_new_prompt_extends_the_old_one(tiny_targe
     first, _ = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=9, state=state)
     extended = PROMPT + first + [4, 5]
     state.start(extended)
-    assert state.cache.get_seq_length() == len(extended) - 1
+    assert state.cache.get_seq_length() == len(extended)  # one-forward prefill: the last prompt token too (state.head)
     cached = state.verify([])[-1]
     fresh = forward_logits(tiny_target, new_cache(tiny_target), extended, keep=1)[-1]
     torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-5)

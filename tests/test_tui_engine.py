@@ -24,7 +24,7 @@ FULL = 200  # tokens a reply may run to: far more than the test lets it
 class PacedSession(Session):
     """The real session and engine; each round waits a little, so a key press lands mid-reply."""
 
-    pause_s = 0.02
+    pause_s = 0.1  # a full reply takes ~7 s: Esc lands mid-reply even on a loaded machine
 
     def _rounds(self, prompt):
         for record in super()._rounds(prompt):

@@ -8,7 +8,7 @@ from pathlib import Path
 from specchat.fmt import num as fmt
 from specchat.store import write_atomic
 
-PLOT_HINT = "speedup.png skipped: matplotlib is not installed (pip install 'specchat[plot]' or pip install matplotlib)"
+PLOT_HINT = "speedup.png skipped: matplotlib is not installed (pip install -e '.[plot]' in the specchat source folder, or pip install matplotlib)"
 
 
 def fmt_spread(s: dict, scale: float = 1.0) -> str:
@@ -42,7 +42,7 @@ def quality_cell(row: dict, checks: dict) -> str:
     if row["mode"] == "off":
         return "baseline"
     if row["temperature"] == 0:
-        bad = [f for f in checks["greedy_identity"] if f["config"] == label]
+        bad = [f for f in checks["greedy_identity"]["failures"] if f["config"] == label]
         return "identical to off" if not bad else "**MISMATCH** on " + ", ".join(sorted({f["prompt"] for f in bad}))
     v = next((x for x in checks["distribution"] if x["mode"] == row["mode"] and x["temperature"] == row["temperature"]), None)
     return f"verify {v['verdict']} (p={fmt(v['p_value'], 2)})" if v else "-"
@@ -88,11 +88,13 @@ def markdown(results: dict) -> str:
               fmt_spread(p["peer_time_to_first_token_s"], 1000)] for p in results["peers"]],
         ))
     out += ["", "## Checks", ""]
-    failures = checks["greedy_identity"]
-    out.append("- greedy identity (every exact mode at T=0 vs plain greedy, token for token): "
-               + ("PASS" if not failures else "**FAIL**: " + "; ".join(
-                   f"{f['config']} on prompt {f['prompt']!r} (repeat {f['repeat']}) differs from token {f['first_difference']}"
-                   for f in failures)))
+    identity = checks["greedy_identity"]
+    failures = identity["failures"]
+    verdicts = {"pass": f"PASS ({identity['compared']} runs identical)", "not run": "not run (no exact mode besides off at T=0)"}
+    out.append("- greedy identity (every exact mode at T=0 vs plain greedy, token for token): " + (
+        verdicts[identity["verdict"]] if identity["verdict"] in verdicts else "**FAIL**: " + "; ".join(
+            f"{f['config']} on prompt {f['prompt']!r} (repeat {f['repeat']}) differs from token {f['first_difference']}"
+            for f in failures)))
     if failures and m["dtype"] != "float32":
         out.append(f"  (in {m['dtype']}, one forward over K+1 positions rounds differently from K+1 one-token forwards, "
                    "so a near-tied argmax can flip; rerun with --dtype float32 to tell rounding from a bug)")

@@ -260,10 +260,13 @@ def peer_pairs(rows: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- quality checks
 
 
-def greedy_identity(configs: list[Config], runs: list[dict]) -> list[dict]:
-    """Every exact specchat mode at temperature 0 must reproduce plain greedy output token for token."""
+def greedy_identity(configs: list[Config], runs: list[dict]) -> dict:
+    """Every exact specchat mode at temperature 0 must reproduce plain greedy output token for token.
+
+    {"verdict": "pass" | "fail" | "not run" (no exact greedy mode besides off), "compared": runs compared,
+    "failures": [{"config", "prompt", "repeat", "first_difference"}]}"""
     plain = {(r["prompt"], r["repeat"]): r["tokens"] for r in runs if r["config"] == Config("off", 0, 0.0).label}
-    failures = []
+    failures, compared = [], 0
     for cfg in configs:
         if cfg.is_peer or cfg.mode == "off" or cfg.temperature != 0 or not cfg.exact:
             continue
@@ -271,10 +274,14 @@ def greedy_identity(configs: list[Config], runs: list[dict]) -> list[dict]:
             if r["config"] != cfg.label:
                 continue
             ref = plain.get((r["prompt"], r["repeat"]))
-            if ref is not None and r["tokens"] != ref:
+            if ref is None:
+                continue
+            compared += 1
+            if r["tokens"] != ref:
                 at = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref)) if a != b), min(len(ref), len(r["tokens"])))
                 failures.append({"config": cfg.label, "prompt": r["prompt"], "repeat": r["repeat"], "first_difference": at})
-    return failures
+    verdict = "fail" if failures else "pass" if compared else "not run"
+    return {"verdict": verdict, "compared": compared, "failures": failures}
 
 
 def hf_greedy_match(runs: list[dict]) -> dict | None:
@@ -325,7 +332,9 @@ def approximate_quality(ctx: Context, configs: list[Config], runs: list[dict], p
 
 
 def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, samples: int, progress=None) -> list[dict]:
-    """`specchat verify`'s two-sample test for each exact mode and temperature > 0 (first K listed)."""
+    """`specchat verify`'s test (one sample against the target's exact conditionals, first K+1 tokens, alpha
+    0.01) for each exact mode and temperature > 0 (first K listed). A mode that drafted nothing on this
+    prompt gets the verdict "untested", not a pass."""
     from types import SimpleNamespace
 
     done, out = set(), []
@@ -334,7 +343,7 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
             continue
         done.add((cfg.mode, cfg.temperature))
         if progress:
-            progress(f"verify {cfg.label}: {samples} + {samples} samples")
+            progress(f"verify {cfg.label}: {samples} samples")
         drafter = ctx.drafters[cfg.mode]
         drafter.reset()
         session = SimpleNamespace(
@@ -343,7 +352,7 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
             eos_ids=ctx.eos_ids,
             generator=torch.Generator(device=ctx.device).manual_seed(ctx.seed),
         )
-        result = run_verify(session, prompt.ids, samples=samples, length=2, alpha=0.01)
+        result = run_verify(session, prompt.ids, samples=samples, alpha=0.01)
         out.append({"config": cfg.label, "mode": cfg.mode, "temperature": cfg.temperature, "prompt": prompt.name, **result})
     return out
 

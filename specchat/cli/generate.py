@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
-from specchat.cli.options import UserError, config_summary, generation_options, load_session, model_options, user_errors
+from specchat.cli.options import INTERRUPTED, UserError, config_summary, generation_options, load_session, model_options, user_errors
 from specchat.fmt import num
 
 KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
@@ -29,27 +30,38 @@ def generate(prompt, raw, fmt, **opts):
     if not prompt.strip():
         raise UserError("the prompt is empty")
     session = load_session(opts, quiet=fmt == "json")
+    interrupted = False
     with user_errors():
         ids = session.raw_prompt(prompt) if raw else session.chat_prompt([{"role": "user", "content": prompt}])
         rounds = session.complete(ids)
-        if fmt == "json":
-            for record in rounds:
-                for t in record.tokens:
-                    print(json.dumps({"type": "token", "id": t.id, "text": t.text, "kind": t.kind, "round": t.round}), flush=True)
-        else:
-            print_stream(rounds)
+        try:
+            if fmt == "json":
+                for record in rounds:
+                    for t in record.tokens:
+                        print(json.dumps({"type": "token", "id": t.id, "text": t.text, "kind": t.kind, "round": t.round}), flush=True)
+            else:
+                print_stream(rounds)
+        except KeyboardInterrupt:  # Ctrl+C: the summary of what was generated, then exit status 130
+            if not session.turns:
+                raise
+            interrupted = True
+            if fmt != "json":
+                print()
     turn = session.turns[-1]
     summary = {
         **config_summary(session),
+        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
         "exact": turn.stats.exact,
         "prompt_tokens": turn.prompt_tokens,
-        "stop_reason": turn.stop_reason,
+        "stop_reason": "interrupted" if interrupted else turn.stop_reason,
         **turn.stats.summary(),
     }
     if fmt == "json":
         print(json.dumps({"type": "summary", **summary}), flush=True)
     else:
         print_summary(summary)
+    if interrupted:
+        sys.exit(INTERRUPTED)
 
 
 def print_stream(rounds) -> None:
@@ -57,6 +69,7 @@ def print_stream(rounds) -> None:
     from rich.text import Text
 
     console = Console(highlight=False)
+    console.soft_wrap = not console.is_terminal  # piped: the model's text as it is, no line breaks added
     legend = Text("  ").join(Text(f"■ {label}", style=KIND_STYLES[kind]) for kind, label in KIND_LEGEND.items())
     console.print(legend)
     console.rule(style="dim")
@@ -66,19 +79,35 @@ def print_stream(rounds) -> None:
     console.rule(style="dim")
 
 
-def print_summary(s: dict) -> None:
-    from rich.console import Console
-
-    lines = [
-        f"[b]{s['mode']}[/b] K={s['draft_len']}  target={s['target']}" + (f"  draft={s['draft']}" if s["draft"] else "")
-        + f"  {s['device']}/{s['dtype']}  T={s['temperature']} top-k={s['top_k']} top-p={s['top_p']} seed={s['seed']}"
-        + ("" if s["exact"] else "  [b red]APPROXIMATE (exact: false)[/]"),
-        f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})  "
-        f"{num(s['tokens_per_s'])} tok/s  {num(s['ms_per_token'])} ms/token  "
-        f"first token {num(s['time_to_first_token_s'])} s",
-        f"acceptance {num(s['acceptance_rate'])}  mean accepted length {num(s['mean_accepted_length'])}  "
-        f"target calls/token {num(s['target_calls_per_token'])}  draft calls/token {num(s['draft_calls_per_token'])}",
-        f"per-position acceptance {num(s['per_position_acceptance'])}  "
-        f"draft {num(s['draft_ms_per_round'])} ms/round  verify {num(s['verify_ms_per_round'])} ms/round",
+def summary_lines(s: dict) -> list[list[str]]:
+    """The summary as lines of phrases (Rich markup). K only for a drafting mode, the seed only when sampling."""
+    sampling = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top-k={s['top_k']} top-p={s['top_p']:g} seed={s['seed']}"
+    return [
+        [f"[b]{s['mode']}[/b]" + (f" K={s['draft_len']}" if s["mode"] != "off" else ""), f"target={s['target']}",
+         *([f"draft={s['draft']}"] if s["draft"] else []), f"{s['device']}/{s['dtype']} {s['threads']} thread{'s' if s['threads'] != 1 else ''}", sampling,
+         *([] if s["exact"] else ["[b red]APPROXIMATE (exact: false)[/]"])],
+        [f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})",
+         f"{num(s['tokens_per_s'])} tok/s", f"{num(s['ms_per_token'])} ms/token", f"first token {num(s['time_to_first_token_s'])} s"],
+        [f"acceptance {num(s['acceptance_rate'])}", f"mean accepted length {num(s['mean_accepted_length'])}",
+         f"target calls/token {num(s['target_calls_per_token'])}", f"draft calls/token {num(s['draft_calls_per_token'])}"],
+        [f"per-position acceptance {num(s['per_position_acceptance'])}", f"draft {num(s['draft_ms_per_round'])} ms/round",
+         f"verify {num(s['verify_ms_per_round'])} ms/round"],
     ]
-    Console(highlight=False).print("\n".join(lines))
+
+
+def print_summary(s: dict) -> None:
+    """On a terminal, a line breaks between phrases when it is wider than the window; piped, never."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False, soft_wrap=True)
+    width = console.width if console.is_terminal else None
+    for phrases in summary_lines(s):
+        line = ""
+        for phrase in phrases:
+            joined = f"{line}  {phrase}" if line else phrase
+            if line and width and Text.from_markup(joined).cell_len > width:
+                console.print(line)
+                joined = phrase
+            line = joined
+        console.print(line)

@@ -1,7 +1,12 @@
-"""The `specchat` command: the chat app (no subcommand) and the headless commands, each in its own module."""
+"""The `specchat` command: the chat app (no subcommand) and the headless commands, each in its own module.
+
+Importing this (and every command module) does not import torch: `specchat --help`, --version and argument
+errors answer in a fraction of a second, and prepare_process() sets the environment before torch loads.
+"""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -9,12 +14,42 @@ import click
 from specchat import __version__
 from specchat.cli.bench import bench
 from specchat.cli.generate import generate
-from specchat.cli.options import generation_options, load_session, model_options
+from specchat.cli.options import INTERRUPTED, BadOption, generation_options, load_session, model_options, prepare_process
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+class SpecchatGroup(click.Group):
+    """Ctrl+C anywhere (loading, generating, writing a report) ends with one line and exit status 130, not a
+    traceback or click's `Aborted!`. A command that has something to show first (generate's partial summary)
+    catches KeyboardInterrupt itself and exits with INTERRUPTED."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\nspecchat: interrupted", err=True)
+            ctx.exit(INTERRUPTED)
+
+
+def check_export_path(path: Path) -> None:
+    """--export is checked at start-up, not at exit when the session is in it: the folder (or the nearest one
+    that exists, the rest is created on writing) must take a new file."""
+    folder = Path(path).expanduser().absolute().parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BadOption(f"--export {path}: {existing} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".specchat-check-"):
+            pass
+    except OSError as e:
+        where = existing if existing == folder else f"{existing} (to create {folder})"
+        raise BadOption(f"--export {path}: cannot write in {where}: {e.strerror or e}") from None
+
+
+@click.group(cls=SpecchatGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="specchat")
 @model_options
 @generation_options
@@ -23,11 +58,15 @@ from specchat.cli.verify import verify
 @click.pass_context
 def main(ctx: click.Context, theme, export_path, **opts) -> None:
     """Chat with a local model and watch speculative decoding work, token by token."""
+    prepare_process()
     if ctx.invoked_subcommand is not None:
         return
+    if export_path is not None:
+        check_export_path(export_path)
+    session = load_session(opts)
+
     from specchat.tui.app import run_chat
 
-    session = load_session(opts)
     run_chat(session, theme=theme, export_path=export_path)
 
 

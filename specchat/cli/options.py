@@ -8,27 +8,131 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
+import sys
+import threading
+import time
 
 import click
 
-from specchat.engine.drafters import MODES
+from specchat.modes import MODES
+
+# Nothing here imports torch at module level (neither may a command module): `specchat --help`, --version and
+# argument errors answer before torch loads, and the environment below is set before torch starts its threads.
 
 
 class UserError(click.ClickException):
     """One clear line, exit status 1, never a traceback."""
 
 
+class BadOption(UserError):
+    """An option value found unusable before any model loads: one line, exit status 2 (as click's usage errors)."""
+
+    exit_code = 2
+
+
+INTERRUPTED = 130  # the exit status after Ctrl+C (128 + SIGINT, as shells report it)
+
+
 @contextlib.contextmanager
 def user_errors():
-    """Turn the errors a user can cause into one-line messages."""
-    from specchat.engine.drafters import ModeUnavailable
-    from specchat.models import ModelError
-    from specchat.session import PromptTooLong
-
+    """Turn the errors a user can cause into one-line messages (the error classes are imported only once
+    something failed: entering this must not import torch)."""
     try:
         yield
-    except (ModelError, ModeUnavailable, PromptTooLong) as e:
-        raise UserError(str(e)) from None
+    except Exception as e:
+        from specchat.engine.drafters import ModeUnavailable
+        from specchat.models import ModelError
+        from specchat.session import PromptTooLong
+
+        if isinstance(e, (ModelError, ModeUnavailable, PromptTooLong)):
+            raise UserError(str(e)) from None
+        raise
+
+
+# ---------------------------------------------------------------- CPU threads
+
+_owns_process = False  # set by prepare_process: specchat started this process and torch is not loaded yet
+
+
+def prepare_process() -> None:
+    """Called first by the `specchat` command, before anything imports torch.
+
+    OpenMP threads that spin-wait for each other collapse when another process competes for the cores
+    (measured on the 2-core reference machine: README, Threads); OMP_WAIT_POLICY=PASSIVE makes them
+    sleep instead, and OpenMP reads it only when torch loads. Inside another program that already loaded
+    torch (a test run, a notebook), its thread settings are left alone unless --threads is given."""
+    global _owns_process
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        _owns_process = True
+        signal.signal(signal.SIGINT, _on_ctrl_c)
+
+
+def _on_ctrl_c(signum, frame) -> None:
+    """Ctrl+C raises KeyboardInterrupt, except in the middle of an import or a finalizer: in an import it can
+    abort the process (torch registers operators through C++ callbacks that must not raise) or leave a
+    half-imported module that fails later with a misleading error; in a `__del__` it is printed and dropped.
+    There it is raised again 50 ms on, until neither is running."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib") or frame.f_code.co_name == "__del__":
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting each physical core once (hyper-threads share one)."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f if line.startswith(("siblings", "cpu cores")))
+        per_core = int(info["siblings"]) // int(info["cpu cores"])
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        per_core = 1
+    return max(1, logical // max(per_core, 1))
+
+
+def busy_cores(window: float = 0.2) -> float:
+    """Cores other processes kept busy over `window` seconds (/proc/stat; this process sleeps meanwhile);
+    0 where that cannot be read."""
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return values[3] + values[4], sum(values)
+
+    try:
+        idle0, total0 = ticks()
+        time.sleep(window)
+        idle1, total1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    if total1 <= total0:
+        return 0.0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
+
+
+def default_threads() -> int:
+    """The physical cores that other work leaves free when specchat starts, at least one. One thread per
+    core other processes keep busy fewer: a thread sharing a core with a busy process makes every parallel
+    step wait for it (measured: README, Threads)."""
+    cores = physical_cores()
+    return max(1, min(cores, int(cores - busy_cores() + 0.5)))
+
+
+def set_threads(requested: int | None) -> int:
+    """torch's CPU threads for this run: --threads, else default_threads() when specchat owns the process and
+    OMP_NUM_THREADS is not set; otherwise what the host chose. Returns the number in force."""
+    import torch
+
+    n = requested
+    if n is None and _owns_process and not os.environ.get("OMP_NUM_THREADS"):
+        n = default_threads()
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def apply(options: list, f):
@@ -36,16 +140,27 @@ def apply(options: list, f):
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
 
 
-def model_options(f):
-    """--target/--draft and where they run."""
+def _model_options(f, *, draft: bool):
     return apply([
         click.option("--target", metavar="MODEL", help="HF model id (local cache), directory, or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
-        click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer)."),
+        *([click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer).")] if draft else []),
+        click.option("--download", is_flag=True, help="Let a Hugging Face id missing from the local cache be downloaded (default: the local cache only, no network)."),
         click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
         click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch (default: the physical cores not busy with other work when specchat starts)."),
     ], f)
+
+
+def model_options(f):
+    """--target/--draft, where they run, how many CPU threads."""
+    return _model_options(f, draft=True)
+
+
+def target_options(f):
+    """model_options without --draft (commands that load only the target)."""
+    return _model_options(f, draft=False)
 
 
 def mode_setting_options(f):
@@ -94,16 +209,19 @@ def mode_settings(opts: dict) -> dict:
 
 def load_models(opts: dict, console):
     """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
+    os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
+    set_threads(opts.get("threads"))
     from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     device = pick_device(opts["device"])
     dtype = pick_dtype(opts["dtype"], device)
-    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"])
+    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
     with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
         target = load_model(opts["target"], device, dtype, **kwargs)
     draft = None
-    if opts["draft"]:
+    if opts.get("draft"):
         with console.status(f"Loading draft {opts['draft']}..."):
             draft = load_model(opts["draft"], device, dtype, **kwargs)
         check_same_tokenizer(target, draft)
@@ -119,8 +237,8 @@ def load_session(opts: dict, *, quiet: bool = False):
     from specchat.engine.sampling import SamplingParams
     from specchat.session import Session
 
-    mode = opts["mode"] or ("draft" if opts["draft"] else "off")
-    if mode == "draft" and not opts["draft"]:
+    mode = opts["mode"] or ("draft" if opts.get("draft") else "off")
+    if mode == "draft" and not opts.get("draft"):
         raise UserError("--mode draft needs a draft model: pass --draft MODEL")
     try:
         rule = parse_rule(opts["accept_rule"])
@@ -150,6 +268,8 @@ def load_session(opts: dict, *, quiet: bool = False):
 
 def config_summary(session) -> dict:
     """The settings a result was produced with (every summary and report starts with these)."""
+    import torch
+
     sampling = session.controls.sampling
     return {
         "target": session.target.name,
@@ -162,5 +282,6 @@ def config_summary(session) -> dict:
         "seed": session.seed,
         "device": session.device_label,
         "dtype": session.dtype_label,
+        "threads": torch.get_num_threads(),
         "accept": session.controls.rule.name,
     }

@@ -1,21 +1,93 @@
-"""KV-cache helpers shared by the target and by model-based drafters."""
+"""KV-cache helpers shared by the target and by model-based drafters, and the lean runner's KV cache."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 
+CHUNK = 256  # positions a KVCache layer grows by
+
+
+class KVCache:
+    """The lean runner's KV cache (engine/runner.py): per layer, keys and values [1, H_kv, capacity, head_dim].
+
+    A layer's storage is allocated at its first write and grown CHUNK positions at a time (never a
+    torch.cat per step); entries are written in place. `lengths[i]` says how many positions layer i
+    holds: writing S positions at `past` sets it to past + S, and cropping only lowers it, so a
+    rollback moves a pointer and copies nothing. Layers have their own lengths because a
+    self-speculative pass runs a subset of them (a skipped layer never gets entries).
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.n_kv_heads, self.head_dim, self.dtype, self.device = n_kv_heads, head_dim, dtype, device
+        self.keys: list[torch.Tensor | None] = [None] * n_layers  # [1, H_kv, capacity, hd]
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.lengths = [0] * n_layers
+
+    def write(self, i: int, k: torch.Tensor, v: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [1, H_kv, S, hd] at positions past..past+S-1 of layer i; return the layer's keys and
+        values for positions 0..past+S-1 (views, [1, H_kv, past + S, hd])."""
+        if past > self.lengths[i]:
+            raise ValueError(f"layer {i} holds {self.lengths[i]} positions; cannot write at {past}")
+        end = past + k.shape[2]
+        keys = self.keys[i]
+        if keys is None or keys.shape[2] < end:
+            self._grow(i, end)
+        self.keys[i][:, :, past:end].copy_(k)
+        self.values[i][:, :, past:end].copy_(v)
+        self.lengths[i] = end
+        return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+
+    def _grow(self, i: int, needed: int) -> None:
+        capacity = -(-needed // CHUNK) * CHUNK
+        shape = (1, self.n_kv_heads, capacity, self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        n = self.lengths[i]
+        if n:
+            keys[:, :, :n].copy_(self.keys[i][:, :, :n])
+            values[:, :, :n].copy_(self.values[i][:, :, :n])
+        self.keys[i], self.values[i] = keys, values
+
+    def crop(self, length: int) -> None:
+        """Every layer back to at most `length` positions (a pointer move)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    @property
+    def layers(self) -> list["_LayerView"]:
+        return [_LayerView(self, i) for i in range(len(self.lengths))]
+
+    def nbytes(self) -> int:
+        """Bytes allocated for keys and values (capacity, not only the positions in use)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+class _LayerView:
+    """One layer of a KVCache, with the `get_seq_length()` a DynamicCache layer has."""
+
+    def __init__(self, cache: KVCache, i: int) -> None:
+        self.cache, self.i = cache, i
+
+    def get_seq_length(self) -> int:
+        return self.cache.lengths[self.i]
+
 
 def new_cache(model) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Cut every layer back to `length` positions.
+def crop_to(cache, length: int) -> None:
+    """Cut every layer back to `length` positions (a DynamicCache or a KVCache).
 
     Layers are cut one by one because a self-speculative pass that skips layers leaves them with
     different lengths. transformers 5.x `crop` takes a negative count of positions to remove.
     """
+    if isinstance(cache, KVCache):
+        cache.crop(length)
+        return
     for layer in cache.layers:
         extra = layer.get_seq_length() - length
         if extra > 0:

@@ -23,8 +23,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from specchat.engine.drafters import MODES, ModeUnavailable
-from specchat.export import default_export_path, write_export
+from specchat.engine.drafters import ModeUnavailable
+from specchat.export import default_export_path, save_export, write_export
+from specchat.modes import MODES
 from specchat.session import PromptTooLong, Session
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
 from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
@@ -378,6 +379,5 @@ def run_chat(session: Session, *, theme: str | None = None, export_path: Path | 
     try:
         app.run()
     finally:
-        if export_path is not None:
-            json_path, csv_path = write_export(session, Path(export_path))
-            print(f"specchat: session exported to {json_path} and {csv_path}")
+        if export_path is not None:  # written even after a crash; an unwritable path falls back to the data folder
+            print(f"specchat: {save_export(session, Path(export_path))}")

@@ -33,11 +33,12 @@ from typing import Callable
 import torch
 
 from specchat.engine import Controls, SamplingParams, TargetState, generate
-from specchat.engine.cache import crop_to, forward_logits, new_cache
-from specchat.engine.drafters import TUNABLE, ModeUnavailable, build_drafter
-from specchat.engine.drafters.layers import Decoder
+from specchat.engine.cache import crop_to
+from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.drafters.layers import layer_runner
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.metrics import Stats, predicted_speedup, speedup_model
+from specchat.modes import TUNABLE
 
 CALIBRATION = [
     "Explain what a hash table is in two sentences.",
@@ -54,7 +55,8 @@ LOWRANK_RANKS = [0.125, 0.25, 0.375, 0.5, 0.75]
 
 @dataclass
 class Costs:
-    """Costs relative to one plain target step (the HF forward of one token with the KV cache, as `off` runs)."""
+    """Costs relative to one plain target step (the target forward of one token with the KV cache, as `off` runs:
+    the lean runner's where the target runs on it, else HF's)."""
 
     head: float  # the fixed part of a layer-by-layer pass: embed, final norm, LM head, Python
     layer: float  # one decoder layer on one token
@@ -72,19 +74,19 @@ class Costs:
 def measure_costs(model, k_max: int, reps: int = 7, context: int = 64) -> Costs:
     """Time a plain step, verifies of 2..k_max+1 tokens and layer-by-layer passes, interleaved (one of each
     per repetition, so load from other processes hits all alike); medians fit the linear model."""
-    decoder = Decoder(model)
+    decoder = layer_runner(model)  # the path the target and its self-speculative drafters run: lean runner or HF modules
     n = decoder.n_layers
-    cache = new_cache(model)
-    forward_logits(model, cache, [i % decoder.lm_head.weight.shape[0] for i in range(context)], keep=1)  # a context to attend to
+    cache = decoder.new_cache()
+    decoder.step([i % decoder.lm_head.weight.shape[0] for i in range(context)], cache, 0, keep=1)  # a context to attend to
     cases = {"plain": ([5], None), "full": ([5], range(n)), "half": ([5], range(n // 2))}
-    # both modes verify through the same layer loop (drafters/layers.py), so time verifies through it too
+    # both modes verify through the same layer loop (the lean runner or drafters/layers.py), so time verifies through it too
     cases.update({k: ([5] * (k + 1), range(n)) for k in range(1, k_max + 1)})
     times: dict = {name: [] for name in cases}
     for rep in range(reps + 1):
         for name, (ids, layers) in cases.items():
             t = time.perf_counter()
             if layers is None:
-                forward_logits(model, cache, ids, keep=len(ids))
+                decoder.step(ids, cache, context, keep=len(ids))
             else:
                 decoder.forward(ids, layers, cache, context)
             if rep:  # the first repetition warms up
@@ -329,7 +331,7 @@ def tune_model(
     note = progress or (lambda msg, cand: None)
     tick = lambda cand: note("candidate", cand)  # noqa: E731
     torch.manual_seed(seed)
-    decoder = Decoder(model)
+    decoder = layer_runner(model)
     if mode == "lowrank":  # costs are measured per rank, in the real loop
         cands = search_lowrank(model, prompts, seed=seed, budget=budget, k_max=k_max, max_new_tokens=max_new_tokens, tick=tick)
         return TuneResult(mode, cands[0], cands, None, seed, 0)

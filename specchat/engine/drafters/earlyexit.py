@@ -8,6 +8,11 @@ states the draft already computed. A round costs K draft steps of E layers plus 
 layers, instead of plus a verify of N layers (HF's `assistant_early_exit` keeps a second cache and
 recomputes). After acceptance `state.commit` crops every layer to the accepted length.
 
+The layers run through the state's own path: the lean runner's entry points when the target runs on
+it (`state.lean`, whose KVCache is `state.cache`), else Decoder over HF's modules and DynamicCache.
+After a prefill (`state.head` set, the cache already holding the last prompt token) propose first
+rewinds the state: it feeds that token through layers < E itself.
+
 Extra memory: K hidden states of one row each; no cache, no weights.
 """
 
@@ -43,7 +48,7 @@ class EarlyExitDrafter(Drafter):
 
     @classmethod
     def build(cls, target, draft=None, *, exit_layer=None, **options) -> "EarlyExitDrafter":
-        decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures
+        decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures (the lean runner covers a subset)
         if exit_layer is None:
             exit_layer = builtin_exit(decoder.n_layers)
         if not 1 <= exit_layer < decoder.n_layers:
@@ -60,15 +65,20 @@ class EarlyExitDrafter(Drafter):
 
     extra_bytes = 0  # hidden states only (K x D), freed each round
 
+    def layers(self, state):
+        """The state's layer-by-layer path: its lean runner, or Decoder on the HF path."""
+        return state.lean if state.lean is not None else self.decoder
+
     def propose(self, state, k, params, generator) -> Proposal:
-        past = len(state.tokens) - 1  # the target cache holds tokens[:-1] between rounds
-        crop_to(state.cache, past)  # no-op unless an earlier round was interrupted between propose and verify
+        dec = self.layers(state)
+        past = len(state.tokens) - 1
+        state.rewind()  # the cache holds tokens[:-1]: a no-op unless after a prefill or an interrupted round
         feed = state.tokens[-1]
         ids, qs, hidden = [], [], []
         for i in range(k):
             # layers 0..E-1 write the target's own KV entries for `feed`
-            h = self.decoder.run(self.decoder.embed([feed]), range(self.exit_layer), state.cache, past + i)  # [1, 1, D]
-            q = logits_to_probs(self.decoder.logits(h)[-1], params)  # [V] float32: exactly what the token is drawn from
+            h = dec.run(dec.embed([feed]), range(self.exit_layer), state.cache, past + i)  # [1, 1, D]
+            q = logits_to_probs(dec.logits(h)[-1], params)  # [V] float32: exactly what the token is drawn from
             token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
             ids.append(token)
             qs.append(q)
@@ -81,13 +91,16 @@ class EarlyExitDrafter(Drafter):
         """Target logits [K+1, V] for the pending token and the drafts, reusing the draft's layers 0..E-1."""
         past = len(state.tokens) - 1
         pending, self.pending = self.pending, None
+        dec = self.layers(state)
         E, n = self.exit_layer, self.decoder.n_layers
+        if state.head is not None:  # right after a prefill and no propose of ours (it rewinds): the state's own verify
+            return state.verify(draft_ids)
         if draft_ids and pending is not None and (pending.state, pending.past, pending.ids) == (state, past, draft_ids):
             # the draft fed tokens[-1], d1..d(K-1) through layers < E; only dK is missing there
-            h_last = self.decoder.run(self.decoder.embed(draft_ids[-1:]), range(E), state.cache, past + len(draft_ids))
+            h_last = dec.run(dec.embed(draft_ids[-1:]), range(E), state.cache, past + len(draft_ids))
             hidden = torch.cat([*pending.hidden, h_last], dim=1)  # [1, K+1, D]
         else:  # nothing reusable (K = 0, or another drafter proposed): run layers < E on the whole chunk
             crop_to(state.cache, past)
-            hidden = self.decoder.run(self.decoder.embed([state.tokens[-1], *draft_ids]), range(E), state.cache, past)
-        hidden = self.decoder.run(hidden, range(E, n), state.cache, past)  # [1, K+1, D]
-        return self.decoder.logits(hidden)  # [K+1, V]
+            hidden = dec.run(dec.embed([state.tokens[-1], *draft_ids]), range(E), state.cache, past)
+        hidden = dec.run(hidden, range(E, n), state.cache, past)  # [1, K+1, D]
+        return dec.logits(hidden)  # [K+1, V]

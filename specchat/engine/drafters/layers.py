@@ -1,5 +1,8 @@
 """Run a Llama-style decoder layer by layer, so a self-speculative pass can skip layers or stop early.
 
+Where the target runs on the lean runner (engine/runner.py) the drafters use its entry points instead,
+which have the same signatures (`layer_runner` picks); this class is the path for the HF fallback.
+
 HF's `model(...)` always runs every layer and sizes its mask from cache layer 0, which a pass that
 skips layer 0 leaves empty. This module owns the few lines that matter instead: embed, rotary
 embedding, an explicit causal mask from the position the chunk starts at, the chosen layers, final
@@ -12,7 +15,9 @@ from typing import Iterable
 
 import torch
 
+from specchat.engine.cache import KVCache, forward_logits, new_cache
 from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.runner import Runner, lean_runner
 
 # architectures whose decoder is embed -> layers -> norm -> lm_head with a model-level rotary embedding
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -42,6 +47,13 @@ class Decoder:
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def new_cache(self):
+        return new_cache(self.model)
+
+    def step(self, ids: list[int], cache, past: int, keep: int) -> torch.Tensor:
+        """The whole model as the HF path runs it (HF's forward): logits [keep, V]; `cache` holds `past`."""
+        return forward_logits(self.model, cache, ids, keep=keep)
 
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D] hidden states."""
@@ -88,10 +100,19 @@ def weight_bytes(modules: Iterable[torch.nn.Module]) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes held by a DynamicCache's keys and values."""
+    """Bytes held by a cache's keys and values (a KVCache: its allocated capacity)."""
+    if isinstance(cache, KVCache):
+        return cache.nbytes()
     total = 0
     for layer in cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def layer_runner(model) -> "Runner | Decoder":
+    """The layer-by-layer path for `model`: the lean runner where it supports the model, else Decoder
+    (which raises ModeUnavailable for unsupported architectures). Both have the same entry points."""
+    lean = lean_runner(model)
+    return lean if lean is not None else Decoder(model)

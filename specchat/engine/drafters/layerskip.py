@@ -5,8 +5,10 @@ residual stream than in the full model, so its keys and values differ from the t
 not be mixed into the target cache. Skipped layers' cache slots
 stay empty. Extra memory: that cache (K/V of the kept layers), no weights.
 
-The verify runs all layers through the same layer loop as the draft (`verify` below): the same
-modules and arithmetic as HF's forward, without its per-call mask and output bookkeeping
+Where the target runs on the lean runner (engine/runner.py) the draft pass runs the kept layers through
+its entry points on a KVCache of its own, and the verify is the state's own (the lean forward of all
+layers). On the HF path the draft pass and the verify run HF's layer modules one by one (Decoder): the
+same modules and arithmetic as HF's forward, without its per-call mask and output bookkeeping
 (measured ~1.2x cheaper per step in fp32 on the reference CPU; benchmarks/RESULTS.md).
 """
 
@@ -17,6 +19,7 @@ import torch
 from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder, cache_bytes
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.runner import lean_runner
 
 
 def builtin_skip(n_layers: int) -> list[int]:
@@ -48,9 +51,15 @@ class LayerSkipDrafter(ModelDrafter):
 
     def __init__(self, decoder: Decoder, skip_layers: list[int]) -> None:
         self.decoder = decoder
+        self.lean = lean_runner(decoder.model)  # None: the draft pass runs HF's modules (Decoder)
         self.skip_layers = skip_layers
         self.layer_ids = [i for i in range(decoder.n_layers) if i not in set(skip_layers)]
         super().__init__(decoder.model)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.lean is not None:
+            self.cache = self.lean.new_cache()
 
     @property
     def extra_bytes(self) -> int:
@@ -58,9 +67,11 @@ class LayerSkipDrafter(ModelDrafter):
 
     def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
         """The draft pass: only the kept layers, on this drafter's own cache. [V]"""
-        return self.decoder.forward(feed, self.layer_ids, self.cache, past=len(self.cached))[-1]
+        return (self.lean or self.decoder).forward(feed, self.layer_ids, self.cache, past=len(self.cached))[-1]
 
     def verify(self, state, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] for the pending token and the drafts: every layer, the target's cache."""
+        if state.lean is not None or state.head is not None:  # the lean forward, or the drafts after a prefill
+            return state.verify(draft_ids)
         ids = [state.tokens[-1], *draft_ids]
         return self.decoder.forward(ids, range(self.decoder.n_layers), state.cache, len(state.tokens) - 1, keep=len(ids))

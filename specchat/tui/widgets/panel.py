@@ -7,10 +7,10 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from specchat.engine.drafters import MODES
 from specchat.engine.metrics import Stats, measured_speedup
 from specchat.fmt import fixed as fmt
 from specchat.fmt import pct
+from specchat.modes import MODES
 from specchat.session import Snapshot
 
 MODE_KEYS = {mode: f"F{i}" for i, mode in enumerate(MODES, start=2)}

@@ -1,0 +1,276 @@
+"""The lean target runner: a plain-function forward over a loaded HF model's own weights (gpt-fast's style).
+
+For the decoder families users run here -- Llama (SmolLM2, Llama 3.x), Qwen2/2.5 (q/k/v biases), Qwen3
+(per-head q/k RMSNorm), Mistral without a sliding window -- one forward is: embed, per layer RMSNorm ->
+one fused QKV matmul -> RoPE from precomputed tables -> write K/V in place into a KVCache
+(engine/cache.py) -> SDPA -> o_proj -> RMSNorm -> one fused gate/up matmul -> act * up -> down_proj,
+then the final norm and the LM head on the positions asked for only. Every other model (and any
+config this file does not reproduce exactly: sliding windows, dynamic/longrope RoPE, unusual modules)
+keeps HF's forward: `lean_runner` returns None and TargetState takes the HF path.
+
+No weight is copied: the QKV and gate/up matrices are fused once into one tensor per layer and the HF
+modules' parameters are replaced by row views into it (rows of a contiguous matrix are contiguous),
+so the HF forward, Decoder and every drafter built from the target's modules read the same memory.
+`model.to(...)` or loading new weights afterwards replaces those parameters; build a new runner then
+(a runner found already fused reuses the fused tensors).
+
+RoPE cos/sin come from the model's own rotary embedding module (so every static rope type --
+default, linear, llama3, yarn -- and its attention scaling match HF exactly), evaluated once for a
+table of positions that grows with the cache.
+
+Per-layer entry points (`embed`, `run` over any subset of layers at a given past length, `logits`)
+serve the self-speculative drafters (layerskip, earlyexit) and tune; they have Decoder's signatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from specchat.engine.cache import CHUNK, KVCache
+
+FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at init (dynamic and longrope change with length)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE, HF's rotate_half convention: x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) *
+    cat(-sin1, sin2) (the same products, bit for bit). x [1, S, H, hd]; cos, sin_signed [1, S, 1, hd]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def unsupported(model) -> str | None:
+    """Why the lean runner cannot reproduce this model's forward exactly, or None when it can."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"{type(model).__name__} ({kind}) is not a Llama/Qwen2/Qwen3/Mistral decoder"
+    inner = getattr(model, "model", None)
+    parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "norm", "rotary_emb")]
+    head = model.get_output_embeddings()
+    if any(p is None for p in parts) or type(head) is not torch.nn.Linear or head.bias is not None:
+        return "unexpected module layout"
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or (kind == "mistral" and getattr(config, "sliding_window", None)):
+        return "sliding-window attention"
+    rope_type = getattr(parts[3], "rope_type", None)
+    if not isinstance(rope_type, str) or rope_type not in STATIC_ROPE:  # a dict: per-layer-type rope
+        return f"rope type {rope_type!r}"
+    if not parts[0].weight.is_floating_point():
+        return "non-floating-point weights"
+    for layer in parts[1]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(m) is not torch.nn.Linear for m in linears):  # quantized or patched layers keep HF's path
+            return "non-standard linear layers"
+        if len({m.bias is None for m in linears[:3]}) > 1 or len({m.bias is None for m in linears[4:6]}) > 1:
+            return "mixed biases"
+        if getattr(attn, "sliding_window", None):
+            return "sliding-window attention"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, *(getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n))):
+            if not hasattr(norm, "variance_epsilon") or getattr(norm, "weight", None) is None:
+                return "unexpected norm layers"
+    return None
+
+
+def fuse_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
+    """One tensor holding the modules' `name` ("weight" or "bias") stacked along dim 0, the modules'
+    parameters becoming views into it. Already fused (adjacent views of one storage): reused as is."""
+    with torch.inference_mode(False), torch.no_grad():  # parameters must stay ordinary tensors
+        return _fuse_rows(linears, name)
+
+
+def _fuse_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
+    params = [getattr(m, name) for m in linears]
+    if params[0] is None:
+        return None
+    first, rows = params[0], sum(p.shape[0] for p in params)
+    shape = (rows, *first.shape[1:])
+    offset, adjacent = first.storage_offset(), True
+    for p in params:
+        adjacent &= p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+        adjacent &= p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and p.storage_offset() == offset
+        offset += p.numel()
+    if adjacent:
+        return first.as_strided(shape, first.stride(), first.storage_offset())
+    fused = torch.cat([p.detach() for p in params])  # the one new allocation; the old parameters are freed below
+    start = 0
+    for m, p in zip(linears, params):
+        setattr(m, name, torch.nn.Parameter(fused[start : start + p.shape[0]], requires_grad=p.requires_grad))
+        start += p.shape[0]
+    return fused
+
+
+@dataclass
+class Block:
+    """One decoder layer's tensors (views of the HF parameters) and constants."""
+
+    ln1: torch.Tensor  # [D]
+    ln2: torch.Tensor  # [D]
+    eps: float
+    qkv_w: torch.Tensor  # [(H + 2 H_kv) hd, D]
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd] (Qwen3)
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    o_w: torch.Tensor  # [D, H hd]
+    o_b: torch.Tensor | None
+    gate_up_w: torch.Tensor  # [2 I, D]
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor  # [D, I]
+    down_b: torch.Tensor | None
+    act: object  # the MLP's own activation module
+
+
+class Runner:
+    """Embed / layers / head of a supported causal LM as plain functions over its weights."""
+
+    def __init__(self, model) -> None:
+        config, inner = model.config, model.model
+        self.model = model
+        self.rotary_emb = inner.rotary_emb
+        self.embed_w = inner.embed_tokens.weight  # [V, D]
+        self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.lm_head = model.get_output_embeddings()
+        self.head_w = self.lm_head.weight  # [V, D]; the same tensor as embed_w when tied
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.scale = attn0.scaling
+        self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
+        self.blocks = [self._block(layer) for layer in inner.layers]
+        self.n_layers = len(self.blocks)
+        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)  # [P, hd]
+
+    @staticmethod
+    def _block(layer) -> Block:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return Block(
+            ln1=layer.input_layernorm.weight,
+            ln2=layer.post_attention_layernorm.weight,
+            eps=layer.input_layernorm.variance_epsilon,
+            qkv_w=fuse_rows(qkv, "weight"),
+            qkv_b=fuse_rows(qkv, "bias"),
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            qk_eps=q_norm.variance_epsilon if q_norm is not None else 0.0,
+            o_w=attn.o_proj.weight,
+            o_b=attn.o_proj.bias,
+            gate_up_w=fuse_rows(gate_up, "weight"),
+            gate_up_b=fuse_rows(gate_up, "bias"),
+            down_w=mlp.down_proj.weight,
+            down_b=mlp.down_proj.bias,
+            act=mlp.act_fn,
+        )
+
+    # ------------------------------------------------------------ state
+    def new_cache(self) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head_w.shape[0]
+
+    def rope(self, past: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed [1, S, 1, hd] for positions past..past+S-1 (see `rotate`), from tables the model's own
+        rotary embedding fills CHUNK positions at a time."""
+        end = past + q_len
+        if self.cos.shape[0] < end:
+            positions = torch.arange(-(-end // CHUNK) * CHUNK, device=self.device)[None]  # [1, P]
+            cos, sin = self.rotary_emb(self.embed_w[:1][None], position_ids=positions)  # each [1, P, hd], model dtype
+            half = self.head_dim // 2
+            self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return self.cos[past:end][None, :, None], self.sin[past:end][None, :, None]
+
+    @staticmethod
+    def mask(q_len: int, past: int, device: torch.device) -> torch.Tensor:
+        """[S, past + S] bool, True where query past+i may attend key j (j <= past + i)."""
+        q_pos = torch.arange(past, past + q_len, device=device)[:, None]  # [S, 1]
+        k_pos = torch.arange(past + q_len, device=device)[None, :]  # [1, past + S]
+        return k_pos <= q_pos
+
+    # ------------------------------------------------------------ entry points
+    @torch.inference_mode()
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        """[S] ids -> [1, S, D]."""
+        return F.embedding(torch.tensor([ids], dtype=torch.long, device=self.device), self.embed_w)
+
+    @torch.inference_mode()
+    def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache: KVCache | None, past: int) -> torch.Tensor:
+        """[1, S, D] -> [1, S, D] through `layer_ids`, each writing its K/V at positions past..past+S-1 of
+        `cache` (which must hold at least `past` positions in those layers). cache=None: no past, nothing kept."""
+        q_len = hidden.shape[1]
+        if cache is None and past:
+            raise ValueError("without a cache there is no past to attend to")
+        cos, sin = self.rope(past, q_len)
+        mask = None
+        if q_len > 1 and past > 0:  # an offset causal mask, shared by the packed GQA rows
+            mask = self.mask(q_len, past, hidden.device).repeat(self.n_rep, 1)  # [n_rep S, past + S]
+        for i in layer_ids:
+            hidden = self.layer(i, hidden, cache, past, cos, sin, mask)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, S, D] -> [S, V]: final norm and LM head."""
+        return F.linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0]
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], layer_ids: Iterable[int], cache: KVCache | None, past: int, keep: int = 1) -> torch.Tensor:
+        """Logits [keep, V] of the last `keep` of `ids`, fed after `past` cached positions through `layer_ids`."""
+        return self.logits(self.run(self.embed(ids), layer_ids, cache, past)[:, -keep:])
+
+    def step(self, ids: list[int], cache: KVCache, past: int, keep: int) -> torch.Tensor:
+        """The whole model: logits [keep, V] of the last `keep` of `ids` fed after `past` positions."""
+        return self.forward(ids, range(self.n_layers), cache, past, keep)
+
+    # ------------------------------------------------------------ one layer
+    def layer(self, i, h, cache, past, cos, sin, mask) -> torch.Tensor:
+        b = self.blocks[i]
+        _, S, _ = h.shape  # [1, S, D]
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        x = rms_norm(h, b.ln1, b.eps)
+        qkv = F.linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
+        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [1, S, H + H_kv, hd], [1, S, H_kv, hd]
+        if b.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
+            qk = torch.cat([rms_norm(qk[:, :, :H], b.q_norm, b.qk_eps), rms_norm(qk[:, :, H:], b.k_norm, b.qk_eps)], dim=2)
+        qk = rotate(qk, cos, sin)  # q and k heads in one go: they share cos/sin
+        q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [1, S, H, hd], [1, H_kv, S, hd] x 2
+        if cache is not None:
+            k, v = cache.write(i, k, v, past)  # [1, H_kv, past + S, hd]
+        q = q.transpose(1, 2)  # [1, H, S, hd]
+        if S == 1 or (mask is not None and self.n_rep > 1):
+            # GQA packed: the n_rep query heads sharing a KV head become rows of one query block
+            out = F.scaled_dot_product_attention(q.reshape(1, Hkv, self.n_rep * S, hd), k, v, attn_mask=mask, scale=self.scale)
+        elif mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:  # a chunk with no past: plain causal
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_rep > 1)
+        out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
+        h = h + F.linear(out, b.o_w, b.o_b)
+        x = rms_norm(h, b.ln2, b.eps)
+        gate, up = F.linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
+        return h + F.linear(b.act(gate) * up, b.down_w, b.down_b)
+
+
+def lean_runner(model) -> Runner | None:
+    """A Runner for `model`, or None when it keeps HF's forward (see `unsupported`)."""
+    if unsupported(model) is not None:
+        return None
+    return Runner(model)

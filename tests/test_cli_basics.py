@@ -1,0 +1,358 @@
+"""What a new user meets first: a fast --help, one-line errors, Ctrl+C, an --export that cannot lose the session,
+hub ids that never wait on the network, tune's advice when nothing wins, threads, and output that reads well
+when piped. Tiny models only (tests/helpers.tiny_model_dir); some tests run `specchat` as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import FakeSession, tiny_model_dir
+from specchat.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECCHAT = [sys.executable, "-m", "specchat"]
+
+
+def invoke(*args, **kwargs):
+    return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A tiny model with a context of a million tokens whose greedy reply to "hello world" never reaches EOS
+    (checked: 3000 tokens), so a generation runs until it is interrupted."""
+    path = tiny_model_dir(tmp_path_factory.mktemp("endless"))
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 20
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def keep_threads():
+    """Commands run in this process may set torch's threads (--threads): put the tests' setting back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def run_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+# ---------------------------------------------------------------- start-up: no torch before it is needed
+
+
+def test_modes_and_drafters_agree():
+    from specchat.engine.drafters import DRAFTERS
+    from specchat.modes import MODES, TUNABLE
+
+    assert list(DRAFTERS) == list(MODES)
+    assert set(TUNABLE) <= set(MODES)
+
+
+SNIPPET = """
+import sys
+from specchat.cli.main import main
+try:
+    main({args!r}, prog_name="specchat")
+except SystemExit:
+    pass
+print("TORCH" if "torch" in sys.modules else "NO-TORCH", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["--version"], ["generate", "--prompt", "hi", "-k", "0"], ["tune", "--help"],
+                                  ["bench", "--help"], ["generate", "--prompt", " "]], ids=str)
+def test_help_version_and_argument_errors_do_not_import_torch(args):
+    if not args:  # importing the command line alone
+        code = "import sys, specchat.cli.main; print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)"
+    else:
+        code = SNIPPET.format(args=args)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=run_env())
+    assert r.stderr.strip().splitlines()[-1] == "NO-TORCH", r.stderr
+
+
+# ---------------------------------------------------------------- --export
+
+
+def test_an_unwritable_export_path_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before --export was checked")
+
+    monkeypatch.setattr("specchat.cli.main.load_session", refuse)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for path in (blocker / "x.json", Path("/proc/nope/x.json")):
+        r = invoke("--export", path)
+        assert r.exit_code == 2, r.output
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and "--export" in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_a_missing_export_folder_that_can_be_created_is_fine(tmp_path, monkeypatch):
+    monkeypatch.setattr("specchat.cli.main.load_session", lambda opts: "SESSION")
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda session, **kw: print("CHAT", session, kw["export_path"]))
+    r = invoke("--export", tmp_path / "new" / "folder" / "s.json")
+    assert r.exit_code == 0 and "CHAT SESSION" in r.output, r.output
+
+
+def test_run_chat_saves_to_the_data_folder_when_the_export_path_fails_at_exit(tmp_path, monkeypatch, capsys):
+    from specchat.store import exports_dir
+    from specchat.tui.app import SpecChatApp, run_chat
+
+    session = FakeSession()
+    monkeypatch.setattr(SpecChatApp, "run", lambda self: list(self.session.reply("keep me")))
+    blocker = tmp_path / "was-a-folder"
+    blocker.write_text("")  # the folder was replaced by a file while the chat ran
+    before = set(exports_dir().glob("*.json")) if exports_dir().exists() else set()
+    run_chat(session, export_path=blocker / "x.json")
+    out = capsys.readouterr().out
+    saved = set(exports_dir().glob("*.json")) - before
+    assert len(saved) == 1, out
+    (saved_path,) = saved
+    assert "could not write the export" in out and str(saved_path) in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1
+    assert json.loads(saved_path.read_text())["turns"][0]["user"] == "keep me"
+    assert saved_path.with_suffix(".csv").exists()
+
+
+# ---------------------------------------------------------------- hub ids: the local cache, no network
+
+
+def test_an_uncached_hub_id_fails_fast_without_network(tmp_path):
+    env = run_env(HF_HOME=str(tmp_path / "hf"))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)  # no opt-out from the network in the environment: specchat must not go there itself
+    start = time.monotonic()
+    r = subprocess.run([*SPECCHAT, "generate", "--prompt", "hi", "--target", "some/unknown-model-id"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "not found in the local Hugging Face cache" in r.stderr, r.stderr
+    assert "--download" in r.stderr and "Retrying" not in r.stderr + r.stdout
+    assert elapsed < 30, f"took {elapsed:.1f} s"  # a few seconds (loading torch); the network retries took 51 s
+
+
+def test_download_is_an_option_of_every_command():
+    for command in ("generate", "verify", "tune", "bench"):
+        r = invoke(command, "--help")
+        assert "--download" in r.output and "--threads" in r.output, command
+    assert "--download" in invoke("--help").output
+
+
+# ---------------------------------------------------------------- Ctrl+C
+
+
+def start_generate(model_dir, *extra):
+    return subprocess.Popen(
+        [*SPECCHAT, "generate", "--prompt", "hello world", "--raw", "--target", str(model_dir), "--dtype", "float32",
+         "--max-new-tokens", "1000000", "--threads", "1", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env(),
+    )
+
+
+def test_ctrl_c_during_generate_prints_the_partial_summary_json(endless):
+    p = start_generate(endless, "--format", "json")
+    for _ in range(5):  # a few tokens, then Ctrl+C
+        line = p.stdout.readline()
+        assert line, p.stderr.read().decode()  # it ended before generating
+        assert json.loads(line)["type"] == "token"
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    lines = [json.loads(x) for x in out.decode().splitlines()]
+    summary = lines[-1]
+    assert p.returncode == 130, err.decode()
+    assert summary["type"] == "summary" and summary["stop_reason"] == "interrupted" and summary["new_tokens"] >= 5
+    assert b"Traceback" not in err and b"Aborted" not in err
+
+
+def test_ctrl_c_during_generate_prints_the_partial_summary_text(endless):
+    p = start_generate(endless)
+    seen = b""
+    while seen.count("─".encode()) < 80:  # the legend and the rule above the reply
+        chunk = p.stdout.read1(4096)
+        assert chunk, (seen + p.stderr.read()).decode()  # it ended before generating
+        seen += chunk
+    time.sleep(0.5)  # some tokens
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    text = (seen + out).decode()
+    assert p.returncode == 130, err.decode()
+    assert "stop: interrupted" in text and "tok/s" in text
+    assert b"Traceback" not in err and b"Aborted" not in err
+
+
+@pytest.mark.parametrize("delay", [0.6, 1.5])
+def test_ctrl_c_while_starting_is_one_line_and_status_130(endless, delay):
+    p = start_generate(endless, "--format", "json")
+    time.sleep(delay)  # importing torch, loading the model
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err.decode()
+    assert b"Traceback" not in err and b"Aborted" not in err and len(err.decode().strip().splitlines()) <= 1, err.decode()
+
+
+# ---------------------------------------------------------------- tune
+
+
+def fake_result(mode="layerskip", predicted=0.53):
+    from specchat.tune.search import Candidate, Costs, TuneResult
+
+    best = Candidate({"skip_layers": [1]}, 4, 0.4, 1.6, 0.8, 1.2, predicted)
+    return TuneResult(mode, best, [best], Costs(head=0.1, layer=0.2, verify={4: 1.2, 8: 1.4}), 0, 48)
+
+
+def run_tune(tmp_path, monkeypatch, model_dir, result, *extra):
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("specchat.tune.search.tune_model", lambda *a, **kw: result)
+    r = invoke("tune", "--mode", "layerskip", "--target", model_dir, "--dtype", "float32", "--threads", "1", *extra)
+    files = list((tmp_path / "cache" / "tuned").glob("*.json"))
+    return r, (json.loads(files[0].read_text())["layerskip"] if files else None)
+
+
+def test_tune_saves_no_losing_setting_as_the_default(tmp_path, monkeypatch, keep_threads):
+    from specchat.models import load_model
+    from specchat.session import Session
+
+    model_dir = tiny_model_dir(tmp_path / "tiny4", layers=4)
+    r, saved = run_tune(tmp_path, monkeypatch, model_dir, fake_result(predicted=0.53), "--no-confirm")
+    assert r.exit_code == 0, r.output
+    assert "nothing beats plain decoding" in r.output and "x0.53" in r.output and "mode off" in r.output
+    assert saved["recommendation"] == "off" and "skip_layers" not in saved and saved["best_found"]["skip_layers"] == [1]
+    session = Session(load_model(str(model_dir), torch.device("cpu"), torch.float32), mode="layerskip")
+    assert session.drafter("layerskip").skip_layers != [1]  # the built-in default, not the losing setting
+
+
+def test_tune_measured_loss_also_counts(tmp_path, monkeypatch, keep_threads):
+    model_dir = tiny_model_dir(tmp_path / "tiny4", layers=4)
+    monkeypatch.setattr("specchat.tune.search.measure_speed", lambda *a, **kw: {
+        "tokens_per_s": 10.0, "tokens_per_s_off": 20.0, "measured_speedup": 0.5, "measured_acceptance": 0.4,
+        "target_calls_per_token": 0.9})
+    r, saved = run_tune(tmp_path, monkeypatch, model_dir, fake_result(predicted=1.4))
+    assert r.exit_code == 0, r.output
+    assert "nothing beats plain decoding" in r.output and "measured x0.50" in r.output
+    assert saved["recommendation"] == "off" and "skip_layers" not in saved
+
+
+def test_tune_saves_a_winning_setting(tmp_path, monkeypatch, keep_threads):
+    model_dir = tiny_model_dir(tmp_path / "tiny4", layers=4)
+    r, saved = run_tune(tmp_path, monkeypatch, model_dir, fake_result(predicted=1.4), "--no-confirm")
+    assert r.exit_code == 0, r.output
+    assert "saved as the default" in r.output and saved["skip_layers"] == [1] and saved["recommendation"] == "layerskip"
+
+
+def test_tune_shows_progress_lines_when_piped(tmp_path, monkeypatch, keep_threads):
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tiny_model_dir(tmp_path / "tiny4", layers=4)
+    r = invoke("tune", "--mode", "layerskip", "--target", model_dir, "--dtype", "float32", "--budget", "6", "--tokens", "12",
+               "--no-confirm", "--no-save", "--threads", "1")
+    assert r.exit_code == 0, r.output
+    assert "tune layerskip: measuring step costs" in r.stderr and "tune layerskip: [6/6] best" in r.stderr
+
+
+def test_tune_help_has_no_draft_option():
+    r = invoke("tune", "--help")
+    assert r.exit_code == 0 and "--draft" not in r.output and "--target" in r.output
+
+
+# ---------------------------------------------------------------- generate's summary, threads
+
+
+def test_generate_summary_reads_well_when_piped(tiny, keep_threads):
+    r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--dtype", "float32", "--max-new-tokens", 6, "--threads", 1)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    first = next(line for line in lines if "target=" in line)
+    # one line per group of statistics, never broken at 80 columns (the target path alone is longer here)
+    assert first.startswith("off  target=") and first.endswith("greedy") and "1 thread" in first
+    assert "K=" not in r.stdout and "seed=" not in r.stdout  # mode off drafts nothing; greedy has no seed
+    assert any(line.startswith("tokens 6 (prompt") and line.endswith(" s") for line in lines)
+    assert not any("e+" in line for line in lines)
+
+
+def test_generate_summary_names_the_seed_and_k_when_they_matter(tiny, keep_threads):
+    r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--mode", "lookup", "--temperature", 0.7, "--seed", 5,
+               "--max-new-tokens", 6, "--threads", 1)
+    assert r.exit_code == 0, r.output
+    assert "lookup K=4" in r.stdout and "seed=5" in r.stdout and "T=0.7" in r.stdout
+
+
+def test_threads_are_set_and_reported(tiny, keep_threads):
+    r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--format", "json", "--max-new-tokens", 4, "--threads", 2)
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.splitlines()[-1])
+    assert summary["threads"] == 2 and torch.get_num_threads() == 2
+
+
+def test_default_threads_leave_busy_cores_to_other_work(monkeypatch):
+    from specchat.cli import options
+
+    monkeypatch.setattr(options, "physical_cores", lambda: 2)
+    for busy, expected in ((0.0, 2), (0.3, 2), (1.0, 1), (1.8, 1), (5.0, 1)):
+        monkeypatch.setattr(options, "busy_cores", lambda window=0.2, b=busy: b)
+        assert options.default_threads() == expected, busy
+
+
+def test_a_specchat_process_sets_passive_waiting_and_its_thread_default():
+    code = ("import os, sys; from specchat.cli import options; options.prepare_process(); "
+            "print(os.environ.get('OMP_WAIT_POLICY'), options.set_threads(None), options.physical_cores())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=run_env())
+    policy, threads, cores = r.stdout.split()
+    assert policy == "PASSIVE" and 1 <= int(threads) <= int(cores), r.stderr
+
+
+# ---------------------------------------------------------------- numbers, bench output
+
+
+def test_numbers_print_plainly():
+    from specchat.fmt import num
+
+    assert num(1119.6) == "1120" and num(1.5e6) == "1500000" and num(0.00123) == "0.00123" and num(31.44) == "31.4"
+    for exponent in range(-4, 9):
+        for mantissa in (1.0, 1.12, 9.996):
+            assert "e" not in num(mantissa * 10.0**exponent), mantissa * 10.0**exponent
+
+
+REPORT = "# specchat bench\n\n- models: target `x`\n\n| config | tok/s |\n|---|---|\n| off T=0 | 31.4 |\n"
+
+
+def test_bench_report_is_rendered_on_a_terminal_and_plain_when_piped(monkeypatch, capsys):
+    import io
+
+    from rich.console import Console
+
+    from specchat.cli import bench
+
+    terminal = io.StringIO()
+    monkeypatch.setattr("rich.console.Console", lambda **kw: Console(file=terminal, force_terminal=True, width=100, **kw))
+    bench.show_report(REPORT)
+    rendered = terminal.getvalue()
+    assert "off T=0" in rendered and "|---|" not in rendered and "# specchat" not in rendered
+    monkeypatch.undo()
+    bench.show_report(REPORT)
+    assert capsys.readouterr().out == REPORT
+
+
+def test_the_plot_hint_matches_the_readme():
+    from specchat.bench.report import PLOT_HINT
+
+    assert "pip install -e '.[plot]'" in PLOT_HINT and "pip install -e '.[plot]'" in (ROOT / "README.md").read_text()
+    assert "specchat[plot]" not in PLOT_HINT
