@@ -9,6 +9,14 @@ cells pooled (rarest first) so every expected count is at least 5; the draws aft
 tested together, each token placed in a cell by its rank under its own p(. | prefix) (a generalised Pearson
 statistic; see `pooled_rank_test`). Given the prefixes these tests are independent, so their statistics and
 degrees of freedom add up to one chi-square test; the per-position sums say where a failure comes from.
+
+A chi-square test of many degrees of freedom dilutes a change that shows in one direction only; a wrong rule
+usually moves the output towards tokens the target finds less (or more) likely. So a second, one-degree
+test looks at that direction: the likelihood score sum over every tested token of log p(x) - E_p[log p],
+divided by its standard deviation under the target (a sum of independent terms given the prefixes: ~N(0, 1)
+when the mode is exact). The verdict uses a weighted Bonferroni combination of the two p-values (`combined_p`:
+the chi-square at 3/4 of alpha, the likelihood test at 1/4), so its level stays at most alpha.
+
 m defaults to K+1 and every draw generates at least K+1 tokens, so the first round can draft all K
 positions and earn the bonus: a bug at any draft position or in the bonus shows.
 
@@ -325,7 +333,27 @@ def pooled_rank_test(draws: list[tuple[int, torch.Tensor, int]], minimum: float 
     return ChiSquare(stat, dof, chi2_sf(stat, dof), len(cells))
 
 
-def conditional_tests(sequences: Counter, target: TargetConditionals, depth: int) -> tuple[list[dict], float]:
+def likelihood_z(score: float, variance: float) -> float:
+    """(sum of log p(x) - E_p[log p]) / its standard deviation under the target: ~N(0, 1) when exact."""
+    if math.isinf(score):
+        return score
+    return score / math.sqrt(variance) if variance > 0 else 0.0
+
+
+def normal_two_sided(z: float) -> float:
+    return math.erfc(abs(z) / math.sqrt(2))
+
+
+CHI2_SHARE = 0.75  # of alpha: the chi-square test is the main test, the likelihood score test gets the rest
+
+
+def combined_p(chi2_p: float, likelihood_p: float) -> float:
+    """Weighted Bonferroni: reject at alpha when the chi-square rejects at 3/4 alpha or the likelihood test at
+    1/4 alpha (both test the same draws, so their p-values are not combined as independent)."""
+    return min(1.0, chi2_p / CHI2_SHARE, likelihood_p / (1 - CHI2_SHARE))
+
+
+def conditional_tests(sequences: Counter, target: TargetConditionals, depth: int) -> tuple[list[dict], float, float]:
     """The chi-square tests of every position, and the empirical total variation.
 
     Position j: every prefix of length j-1 whose own test (`fit_next_token`) has a degree of freedom is tested
@@ -340,8 +368,16 @@ def conditional_tests(sequences: Counter, target: TargetConditionals, depth: int
     pooled: dict[int, list] = defaultdict(list)  # position -> pooled draws
     n = sum(sequences.values())
     tv = 0.0
+    score = torch.zeros(depth, dtype=torch.float64)  # per position: sum of log p(x) - E_p[log p]
+    variance = torch.zeros(depth, dtype=torch.float64)  # and its variance under the target
     for seq, probs in target.many(list(sequences)):  # probs [len(seq), V]
         count = sequences[seq]
+        rows = probs.double()
+        logp = torch.where(rows > 0, rows.log(), 0.0)  # [len(seq), V]
+        mean = (rows * logp).sum(-1)  # E_p[log p] = -entropy
+        drawn = rows[torch.arange(len(seq)), torch.tensor(seq)].log()  # -inf for a token p cannot emit
+        score[: len(seq)] += count * (drawn - mean)
+        variance[: len(seq)] += count * ((rows * logp**2).sum(-1) - mean**2).clamp_min(0.0)
         for j in range(len(seq)):
             prefix = seq[:j]
             if prefix not in own:
@@ -368,8 +404,13 @@ def conditional_tests(sequences: Counter, target: TargetConditionals, depth: int
             "draws": sum(sum(nxt[prefix].values()) for prefix, t in own.items() if len(prefix) == j - 1 and t.dof > 0),
             "pooled_draws": sum(c for c, _, _ in pooled[j]) if rest.dof else 0,
             "untested_draws": sum(c for c, _, _ in pooled[j]) if not rest.dof else 0,
+            "likelihood_z": likelihood_z(float(score[j - 1]), float(variance[j - 1])),
         })
-    return positions, tv
+        p = positions[-1]
+        p["likelihood_p"] = normal_two_sided(p["likelihood_z"])
+        p["combined_p"] = combined_p(p["p_value"] if dof else 1.0, p["likelihood_p"])
+    total_z = likelihood_z(float(score.sum()), float(variance.sum()))
+    return positions, tv, total_z
 
 
 def run_verify(
@@ -386,7 +427,8 @@ def run_verify(
 
     `session` needs `state`, `controls`, `eos_ids` and `generator`. `length` defaults to K+1 (every draft
     position and the bonus); every draw generates at least K+1 tokens so the first round can draft all K.
-    test="target" (default): one-sample chi-square against the target's exact conditionals (module doc).
+    test="target" (default): one sample against the target's exact conditionals (module doc); `p_value` combines
+    the chi-square test (`chi2_p_value`) and the likelihood score test (`likelihood_p`), see `combined_p`.
     test="homogeneity": the two-sample test against as many plain-sampling draws.
     Verdicts: "pass" / "fail" at level `alpha` for an exact rule; "approximate" for a lossy rule (the p-value
     still says whether the distance is detectable); "untested" when no round drafted a tested position, or the
@@ -418,12 +460,15 @@ def run_verify(
         if progress:
             progress(f"target probabilities of {len(sequences)} distinct continuations...")
         target = TargetConditionals(session.state.model, prompt, controls.sampling)
-        positions, tv = conditional_tests(sequences, target, depth)
+        positions, tv, z = conditional_tests(sequences, target, depth)
         statistic, dof = sum(p["statistic"] for p in positions), sum(p["dof"] for p in positions)
         result = ChiSquare(statistic, dof, chi2_sf(statistic, dof), sum(p["cells"] for p in positions))
-        description = (f"chi-square goodness of fit of the first {depth} tokens against the target's exact conditionals "
-                       f"(per prefix, rarer prefixes pooled by rank; cells pooled to expected >= {MIN_EXPECTED:g})")
-        reference = {"prefixes_tested": sum(p["prefixes"] for p in positions), "target_forwards": target.forwards}
+        p_value = combined_p(result.p_value, normal_two_sided(z)) if dof else 1.0
+        description = (f"the first {depth} tokens against the target's exact conditionals: chi-square goodness of fit "
+                       f"(per prefix, rarer prefixes pooled by rank; cells pooled to expected >= {MIN_EXPECTED:g}) and "
+                       "likelihood score (z of sum log p(x) - E_p[log p]), combined: chi-square at 3/4 alpha or likelihood at 1/4")
+        reference = {"chi2_p_value": result.p_value, "likelihood_z": z, "likelihood_p": normal_two_sided(z),
+                     "prefixes_tested": sum(p["prefixes"] for p in positions), "target_forwards": target.forwards}
     else:
         if progress:
             progress(f"sampling {samples} continuations with plain decoding...")
@@ -432,6 +477,7 @@ def run_verify(
         for seq, count in sample_continuations(session.state, prompt, plain, **common).items():
             plain_counts[seq[:depth]] += count
         result = homogeneity(sequences, plain_counts)
+        p_value = result.p_value
         tv = total_variation(sequences, plain_counts)
         description = f"chi-square homogeneity, speculative vs plain, joint of the first {depth} tokens (2 x C, cells pooled to expected >= 5)"
         reference = {"plain_samples": samples}
@@ -446,9 +492,8 @@ def run_verify(
     elif not exact:
         verdict = "approximate"
     else:
-        verdict = "pass" if result.passed(alpha) else "fail"
-    tested = [p for p in positions if p["dof"] > 0]
-    worst = min(tested, key=lambda p: p["p_value"])["position"] if tested else None
+        verdict = "pass" if p_value >= alpha else "fail"
+    worst = min(positions, key=lambda p: p["combined_p"])["position"] if positions and verdict != "untested" else None
     return {
         "samples": samples,
         "tokens": depth,
@@ -457,7 +502,7 @@ def run_verify(
         "test_kind": test,
         "statistic": result.statistic,
         "dof": result.dof,
-        "p_value": result.p_value,
+        "p_value": p_value,
         "cells": result.cells,
         "alpha": alpha,
         "total_variation": tv,

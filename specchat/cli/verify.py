@@ -71,13 +71,18 @@ def print_verify(r: dict) -> None:
         f"drafted: largest K {r['max_drafted']}; rounds per draft position {' '.join(f'{i + 1}:{c}' for i, c in enumerate(drafted))}; "
         f"acceptance {num(r['acceptance_rate'])}"
     )
-    console.print(f"{r['test']}: X2={r['statistic']:.2f}, dof={r['dof']}, p={r['p_value']:.4g}")
-    if r["positions"]:
+    if r["test_kind"] == "target":
+        console.print(
+            f"against the target's exact probabilities: chi-square X2={r['statistic']:.2f}, dof={r['dof']}, p={r['chi2_p_value']:.4g}; "
+            f"likelihood score z={r['likelihood_z']:.2f}, p={r['likelihood_p']:.4g}; combined p={r['p_value']:.4g}"
+        )
         cells = "  ".join(
-            f"{p['position']}: p={p['p_value']:.3g} (dof {p['dof']}, {p['draws'] + p['pooled_draws']} draws)" if p["dof"] else f"{p['position']}: -"
+            f"{p['position']}: p={p['combined_p']:.3g} (dof {p['dof']}, z {p['likelihood_z']:.1f}, {p['draws'] + p['pooled_draws']} draws)"
             for p in r["positions"]
         )
         console.print(f"per position: {cells}")
+    else:
+        console.print(f"{r['test']}: X2={r['statistic']:.2f}, dof={r['dof']}, p={r['p_value']:.4g}")
     if r["verdict"] == "untested":
         console.print(f"[b red]UNTESTED[/]: {r['reason']}")
     elif r["verdict"] == "approximate":
