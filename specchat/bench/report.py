@@ -100,8 +100,8 @@ def markdown(results: dict) -> str:
                    "so a near-tied argmax can flip; rerun with --dtype float32 to tell rounding from a bug)")
     for v in checks["distribution"]:
         out.append(f"- distribution test {v['config']} on {v['prompt']!r}: {v['verdict'].upper()} "
-                   f"(chi-square p={fmt(v['p_value'])}, TV {fmt(v['total_variation'])}, {v['samples']}+{v['samples']} samples "
-                   f"of {v['tokens']} tokens)")
+                   f"(p={fmt(v['p_value'])}, TV {fmt(v['total_variation'])}, {v['samples']} draws of {v['tokens']} tokens"
+                   + (" and as many plain ones)" if v.get("test_kind") == "homogeneity" else " against the target's exact probabilities)"))
     if checks.get("hf_greedy"):
         h = checks["hf_greedy"]
         out.append(f"- plain greedy vs HF generate() greedy: {h['identical']}/{h['compared']} identical"
