@@ -61,7 +61,7 @@ async def test_chat_with_the_default_model(default_model, tmp_path):
         await wait_for(pilot, lambda: not app.generating and len(session.turns) == 2)
         assert session.turns[1].reply.strip()
         assert {r.mode for r in session.turns[1].rounds} == {"off"}
-        await pilot.press("f9")
+        await pilot.press("ctrl+s")
 
     data = json.loads(path.read_text())
     assert data["config"]["target"] == "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""The chat app over the real engine on a tiny model (fast): Esc stops a real generation, F9 exports a
+"""The chat app over the real engine on a tiny model (fast): Esc stops a real generation, ctrl+s exports a
 streaming reply, and the conversation goes on with a consistent cache."""
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ async def test_escape_stops_a_real_generation_and_the_conversation_goes_on(tiny)
         assert turn.stop_reason is None and 0 < len(turn.reply_ids) < FULL  # stopped, not finished
         assert app.query_one(ReplyView).text == turn.reply and "stopped" in app.query_one(ReplyView).status
         assert turn.stats.summary() == Stats.of(turn.rounds).summary()
-        assert session.stats["draft"].rounds == len(turn.rounds) == app.snapshot.reply.rounds
+        assert sum(s.rounds for s in session.stats.values()) == len(turn.rounds) == app.snapshot.reply.rounds
+        assert turn.rounds[0].mode == "off" and app.snapshot.baseline is not None  # the in-band plain round
         assert session.state.tokens[-len(turn.reply_ids):] == turn.reply_ids
 
         session.max_new_tokens, session.pause_s = 12, 0.0
@@ -86,7 +87,7 @@ async def test_escape_stops_a_real_generation_and_the_conversation_goes_on(tiny)
 
 
 @pytest.mark.asyncio
-async def test_f9_while_a_reply_streams_exports_the_partial_reply(tiny, tmp_path):
+async def test_ctrl_s_while_a_reply_streams_exports_the_partial_reply(tiny, tmp_path):
     session = session_for(tiny)
     session.pause_s = 0.1  # ~50 s for a full reply: the export surely lands mid-reply
     path = tmp_path / "mid.json"
@@ -94,7 +95,7 @@ async def test_f9_while_a_reply_streams_exports_the_partial_reply(tiny, tmp_path
     async with app.run_test(size=(120, 40)) as pilot:
         await send(pilot, app, "hello")
         await wait_for(pilot, lambda: session.turns and len(session.turns[0].rounds) >= 3)
-        await pilot.press("f9")
+        await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: path.exists())
         assert app.generating  # the export did not wait for the reply
         await pilot.press("escape")
@@ -104,5 +105,5 @@ async def test_f9_while_a_reply_streams_exports_the_partial_reply(tiny, tmp_path
     rounds = turn["rounds"]
     assert 3 <= len(rounds) < len(session.turns[0].rounds) + 1
     assert turn["reply"] == "".join(t["text"] for r in rounds for t in r["tokens"])  # consistent with its rounds
-    assert data["summary"]["modes"]["draft"]["rounds"] == len(rounds)  # summary taken with the same rounds
+    assert data["summary"]["total"]["rounds"] == len(rounds)  # summary taken with the same rounds
     assert sum(r["emitted"] for r in rounds) == data["summary"]["total"]["new_tokens"] == turn["new_tokens"]

@@ -1,4 +1,5 @@
-"""SVG snapshots of the main screen mid-reply, one per theme (pytest-textual-snapshot).
+"""SVG snapshots of the main screen mid-reply, per theme at 80x24 and 160x45, and of the panel and the help alone
+at 80x24 (pytest-textual-snapshot).
 
 Update after an intended visual change with: pytest tests/test_tui_snapshots.py --snapshot-update
 """
@@ -26,7 +27,7 @@ async def mid_reply(pilot) -> None:
         assert time.monotonic() < deadline, "the fake session did not stream"
         await pilot.pause(0.01)
     app.redraw_reply()  # replies redraw on a 0.1 s timer while streaming: draw it now
-    await pilot.press("f10")
+    await pilot.press("ctrl+r")
     await pilot.pause()
     await pilot.click("ReplyView", offset=(8, 0))  # " quick": the inspector shows an accepted draft
     app.refresh_panel()  # the panel redraws on a 0.25 s timer while streaming: draw it now
@@ -34,7 +35,33 @@ async def mid_reply(pilot) -> None:
     await pilot.pause()
 
 
+@pytest.mark.parametrize("size", [(80, 24), (160, 45)], ids=["80x24", "160x45"])
 @pytest.mark.parametrize("theme", ["dark", "light", "colorblind"])
-def test_main_screen_mid_reply(snap_compare, theme):
+def test_main_screen_mid_reply(snap_compare, theme, size):
     app = SpecChatApp(FakeSession(gated=True), theme=theme)
-    assert snap_compare(app, terminal_size=(130, 42), run_before=mid_reply)
+    assert snap_compare(app, terminal_size=size, run_before=mid_reply)
+
+
+async def panel_view(pilot) -> None:
+    """Mid-reply, then ctrl+t: at 80 columns the panel replaces the chat, in two columns."""
+    await mid_reply(pilot)
+    await pilot.press("ctrl+t")
+    await pilot.pause()
+    pilot.app.refresh_panel()
+    await pilot.pause()
+
+
+def test_panel_alone_at_80x24(snap_compare):
+    app = SpecChatApp(FakeSession(gated=True), theme="dark")
+    assert snap_compare(app, terminal_size=(80, 24), run_before=panel_view)
+
+
+async def help_view(pilot) -> None:
+    pilot.app.query_one("#prompt", Input).cursor_blink = False
+    await pilot.press("f1")
+    await pilot.pause()
+
+
+def test_help_at_80x24(snap_compare):
+    app = SpecChatApp(FakeSession(gated=True), theme="dark")
+    assert snap_compare(app, terminal_size=(80, 24), run_before=help_view)

@@ -25,6 +25,10 @@ class TokenEvent:
     accept_prob: float | None  # min(1, p/q) for draft positions, None otherwise
     top_p: tuple[tuple[int, float], ...] = ()  # top alternatives under p: (token id, prob)
     top_q: tuple[tuple[int, float], ...] = ()  # top alternatives under q at this position
+    # the target's own distribution (temperature 1, no top-k/top-p): what the model thought, also when greedy
+    # makes p one-hot; the drafter reports only its warped q, so there is no raw q
+    p_raw: float | None = None
+    top_raw: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)

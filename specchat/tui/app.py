@@ -27,6 +27,8 @@ from specchat.engine.drafters import ModeUnavailable
 from specchat.export import default_export_path, save_export, write_export
 from specchat.modes import MODES
 from specchat.session import PromptTooLong, Session
+from specchat.tui.help import HelpScreen
+from specchat.tui.keys import ACTION_KEYS, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
 from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
@@ -45,19 +47,21 @@ class SpecChatApp(App):
 
     TITLE = "specchat"
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so subclasses in other folders (the tests') find it
+    # keys.py: modes on F2..F10 (listed in the panel, the help and the palette, not the footer, which must fit
+    # 80 columns), every other action on F1, Esc or a ctrl key
     BINDINGS = [
-        *(Binding(key.lower(), f"mode('{mode}')", mode, id=f"mode.{mode}") for mode, key in MODE_KEYS.items()),
-        Binding("escape", "stop", "stop", id="reply.stop"),
-        Binding("f9", "export", "export", id="session.export"),
-        Binding("f10", "toggle_rejected", "rejected", id="view.rejected"),
-        Binding("f12", "show_log", "log", id="view.log"),
-        Binding("ctrl+q", "quit", "quit", id="app.quit", priority=True),
+        *(Binding(key, f"mode('{mode}')", mode, show=False, id=f"mode.{mode}") for mode, key in mode_keys(MODES).items()),
+        *(Binding(keys, action, label, id=f"app.{action}", show=action != "quit", priority=action == "quit")
+          for action, (keys, label, _) in ACTION_KEYS.items()),
     ]
+    # below 100 columns the chat and the panel do not fit side by side: ctrl+t switches between them
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
 
     # Widgets are data-bound to these (Conversation.streaming, Legend/ReplyView.show_rejected), so they never
     # read the app; bindings=True redraws the footer, where Esc (stop) shows only while a reply streams.
     generating = var(False, init=False, bindings=True)
-    show_rejected = var(False, init=False)  # F10: rejected drafts inline
+    show_rejected = var(False, init=False)  # ctrl+r: rejected drafts inline
+    panel_toggled = var(False, init=False)  # ctrl+t: wide terminals hide the panel, narrow ones show it instead of the chat
 
     def __init__(
         self,
@@ -75,7 +79,12 @@ class SpecChatApp(App):
         self.unavailable: dict[str, str] = {}
         if session.draft is None:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
+        try:  # the panel's speedups compare against plain rounds measured in-band, under the same load
+            session.measure_baseline()
+        except ModeUnavailable:
+            pass
         self.pending_mode: str | None = None
+        self.queued: list[tuple[str, UserView]] = []  # messages sent while a reply streamed, oldest first
         self._panel_timer = None
         self._reply_timer = None
         self.log_lines: list[tuple[str, str]] = []
@@ -111,7 +120,8 @@ class SpecChatApp(App):
                 yield Conversation(id="conversation").data_bind(streaming=SpecChatApp.generating)
                 yield Inspector(id="inspector")
                 yield Legend(id="legend").data_bind(SpecChatApp.show_rejected)
-                yield Input(placeholder="Message  (Enter sends · F2–F8 modes · Tab, then ←/→ inspects tokens)", id="prompt")
+                # select_on_focus off: coming back to the input must not select the draft, or the next key replaces it
+                yield Input(placeholder="Message  (Enter sends · F1: keys)", id="prompt", select_on_focus=False)
             with Vertical(id="side"):
                 yield StatsPanel(id="stats-panel")
         yield Footer()
@@ -152,11 +162,42 @@ class SpecChatApp(App):
     def on_log_line(self, message: LogLine) -> None:
         self.log_line(message.text, message.level)
 
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss()
+        else:
+            self.push_screen(HelpScreen())
+
     def action_show_log(self) -> None:
         if isinstance(self.screen, LogScreen):
             self.screen.dismiss()
         else:
             self.push_screen(LogScreen(list(self.log_lines)))
+
+    # ------------------------------------------------------------------ layout and focus
+    def action_toggle_panel(self) -> None:
+        self.panel_toggled = not self.panel_toggled
+
+    def watch_panel_toggled(self, toggled: bool) -> None:
+        """app.tcss shows or hides the chat and the panel from the -panel class and the width's breakpoint."""
+        self.query_one("#main").set_class(toggled, "-panel")
+        panel = self.query_one(StatsPanel)
+        # the panel alone on screen takes the focus, so the arrow keys and PgUp/PgDn scroll it
+        panel.can_focus = toggled and self.screen.has_class("-narrow")
+        if panel.can_focus:
+            panel.focus()
+        else:
+            self.query_one("#prompt", Input).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing while the conversation has the focus goes to the message input: typed text never vanishes."""
+        if not isinstance(self.focused, Conversation) or not (event.is_printable or event.key == "enter"):
+            return
+        prompt = self.query_one("#prompt", Input)
+        prompt.focus()
+        if event.is_printable and event.character:
+            prompt.insert_text_at_cursor(event.character)
+        event.stop()
 
     # ------------------------------------------------------------------ chat
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -164,8 +205,13 @@ class SpecChatApp(App):
         if not text:
             self.notify("Type a message first.", severity="information", timeout=3)
             return
-        if self.generating:
-            self.notify("A reply is still streaming: Esc stops it.", severity="warning", timeout=4)
+        if self.generating:  # queued, shown as such, sent when the reply ends (also when it is stopped)
+            event.input.value = ""
+            view = UserView(text, queued=True)
+            self.queued.append((text, view))
+            conversation = self.query_one(Conversation)
+            conversation.mount(view)
+            conversation.anchor()
             return
         try:
             self.session.check_message(text)
@@ -173,13 +219,32 @@ class SpecChatApp(App):
             self.warn(f"Message not sent: {e}. The conversation is kept; shorten the message.", "error")
             return
         event.input.value = ""
+        self.send(text)
+
+    def send(self, text: str, view: UserView | None = None) -> None:
+        """Start a reply to `text`; `view` is its queued message, already in the conversation."""
         conversation = self.query_one(Conversation)
-        conversation.mount(UserView(text))
+        if view is None:
+            view = UserView(text)
+            conversation.mount(view)
+        view.queued = False
         self.reply_view = ReplyView(len(self.session.turns)).data_bind(SpecChatApp.show_rejected)
-        conversation.mount(self.reply_view)
+        conversation.mount(self.reply_view, after=view)  # before any message queued after this one
         conversation.anchor()
         self.generating = True
         self.generate_reply(text)
+
+    def send_queued(self) -> None:
+        """After a reply: send the oldest queued message (one that no longer fits is marked and skipped)."""
+        while self.queued and not self.generating:
+            text, view = self.queued.pop(0)
+            try:
+                self.session.check_message(text)
+            except PromptTooLong as e:
+                view.status = "not sent: too long"
+                self.warn(f"Queued message not sent: {e}.", "error")
+                continue
+            self.send(text, view)
 
     @work(thread=True, exclusive=True, group="reply")
     def generate_reply(self, text: str) -> None:
@@ -232,6 +297,7 @@ class SpecChatApp(App):
         if message.error:
             self.warn(message.error, "error")
         self.refresh_panel()
+        self.send_queued()
 
     def refresh_panel(self, *, retake: bool = True) -> None:
         """Redraw the panel; `retake` takes a fresh snapshot (after a setting changed, or when idle)."""
@@ -348,18 +414,26 @@ class SpecChatApp(App):
     # ------------------------------------------------------------------ inspector
     def on_conversation_token_selected(self, message: Conversation.TokenSelected) -> None:
         self.query_one(Inspector).show_token(message.token, self.session.token_text)
+        if message.token is None:  # the inspector closed (Esc): back to typing
+            self.query_one("#prompt", Input).focus()
 
     # ------------------------------------------------------------------ command palette
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        for mode, key in MODE_KEYS.items():
+        def key(action: str) -> str:
+            return key_label(ACTION_KEYS[action][0])
+
+        for mode, mode_key in MODE_KEYS.items():
             note = f" (unavailable: {self.unavailable[mode]})" if mode in self.unavailable else ""
-            yield SystemCommand(f"Mode: {mode} ({key})", MODES[mode] + note, lambda m=mode: self.action_mode(m))
-        yield SystemCommand("Stop reply (Esc)", "Stop the streaming reply; keep what was generated",
+            yield SystemCommand(f"Mode: {mode} ({mode_key})", MODES[mode] + note, lambda m=mode: self.action_mode(m))
+        yield SystemCommand(f"Keys ({key('help')})", "Every key and command", self.action_help)
+        yield SystemCommand(f"Stop reply ({key('stop')})", "Stop the streaming reply; keep what was generated",
                             self.action_stop)
-        yield SystemCommand("Export session (F9)", "Write the session as JSON and CSV", self.action_export)
-        yield SystemCommand("Toggle rejected drafts (F10)", "Show or hide draft tokens the target rejected",
-                            self.action_toggle_rejected)
-        yield SystemCommand("Show log (F12)", "Warnings and messages from the models", self.action_show_log)
+        yield SystemCommand(f"Export session ({key('export')})", "Write the session as JSON and CSV", self.action_export)
+        yield SystemCommand(f"Toggle rejected drafts ({key('toggle_rejected')})",
+                            "Show or hide draft tokens the target rejected", self.action_toggle_rejected)
+        yield SystemCommand(f"Toggle panel ({key('toggle_panel')})",
+                            "Show or hide the statistics (narrow terminals: switch chat and panel)", self.action_toggle_panel)
+        yield SystemCommand(f"Show log ({key('show_log')})", "Warnings and messages from the models", self.action_show_log)
         yield SystemCommand("Draft length up", "K + 1 from the next round", lambda: self.action_draft_length(1))
         yield SystemCommand("Draft length down", "K - 1 from the next round", lambda: self.action_draft_length(-1))
         yield SystemCommand("Temperature up", f"+{TEMPERATURE_STEP} from the next round",

@@ -1,4 +1,4 @@
-"""The log view (F12) and what feeds it: nothing is written over the chat screen.
+"""The log view (ctrl+l or F12) and what feeds it: nothing is written over the chat screen.
 
 Log records and Python warnings reach the app as LogLine messages (posted, so any thread may log);
 transformers' own stderr handler is swapped for propagation to the root logger while the app runs.
@@ -24,7 +24,7 @@ class LogScreen(ModalScreen):
     LogScreen { align: center middle; }
     LogScreen > RichLog { width: 90%; height: 80%; border: round $primary; background: $surface; }
     """
-    BINDINGS = [Binding("escape,f12", "dismiss", "close log", id="log.close")]
+    BINDINGS = [Binding("escape,f12,ctrl+l", "dismiss", "close log", id="log.close")]
 
     def __init__(self, lines: list[tuple[str, str]]) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ from specchat.store import user_themes_dir
 DEFAULT_THEME = "dark"
 FALLBACK_THEME = "textual-dark"  # a Textual built-in, used only if no specchat theme file can be read
 
-# what a reply shows: the engine's token kinds plus the draft tokens the target rejected (F10)
+# what a reply shows: the engine's token kinds plus the draft tokens the target rejected (ctrl+r)
 TOKEN_KINDS = (*ENGINE_KINDS, "rejected")
 TEXT_STYLES = {"none", "bold", "dim", "italic", "underline", "strike", "reverse"}
 THEME_COLORS = ("primary", "secondary", "accent", "foreground", "background", "surface", "panel", "boost",

@@ -21,8 +21,8 @@ class Conversation(VerticalScroll, can_focus=True):
     BINDINGS = [
         Binding("left", "step(-1)", "prev token", show=False, id="inspect.prev"),
         Binding("right", "step(1)", "next token", show=False, id="inspect.next"),
-        Binding("up", "reply(-1)", "prev reply", show=False, id="inspect.prev_reply"),
-        Binding("down", "reply(1)", "next reply", show=False, id="inspect.next_reply"),
+        Binding("up", "line(-1)", "line up", show=False, id="inspect.line_up"),
+        Binding("down", "line(1)", "line down", show=False, id="inspect.line_down"),
         Binding("home", "edge(0)", "first token", show=False, id="inspect.first"),
         Binding("end", "edge(-1)", "last token", show=False, id="inspect.last"),
         Binding("escape", "clear_selection", "close inspector", id="inspect.close"),
@@ -59,11 +59,14 @@ class Conversation(VerticalScroll, can_focus=True):
         self.post_message(self.TokenSelected(reply, reply.tokens[token]))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "clear_selection":  # otherwise Esc goes on to the app (stop the reply)
-            return self.selection is not None and not self.streaming
+        if action == "clear_selection":  # while streaming Esc goes on to the app (stop the reply)
+            return not self.streaming
         return True
 
     def action_clear_selection(self) -> None:
+        """Close the inspector; the app then gives the focus back to the message input."""
+        if self.selection is None:
+            self.post_message(self.TokenSelected(None, None))
         self.selection = None
 
     def on_reply_view_selected(self, message: ReplyView.Selected) -> None:
@@ -88,13 +91,31 @@ class Conversation(VerticalScroll, can_focus=True):
         self.select(*target)
         target[0].scroll_visible()
 
-    def action_reply(self, delta: int) -> None:
+    def action_line(self, delta: int) -> None:
+        """The token on the line above or below, nearest the same column; across replies at their edges."""
         replies = [r for r in self.replies if self._visible_tokens(r)]
-        if not replies:
+        if self.selection is None or self.selection[0] not in replies:
+            self.action_step(delta)
             return
-        index = replies.index(self.selection[0]) + delta if self.selection and self.selection[0] in replies else len(replies) - 1
-        reply = replies[max(0, min(len(replies) - 1, index))]
-        self.select(reply, self._visible_tokens(reply)[0])
+        reply, token = self.selection
+        lines = reply.token_lines()
+        row = next((i for i, line in enumerate(lines) if any(t == token for _, t in line)), None)
+        if row is None:
+            return
+        x = next(x for x, t in lines[row] if t == token)
+        if 0 <= row + delta < len(lines):
+            target = lines[row + delta]
+        else:
+            index = replies.index(reply) + delta
+            if not 0 <= index < len(replies):
+                return
+            reply = replies[index]
+            lines = reply.token_lines()
+            if not lines:
+                return
+            target = lines[0] if delta > 0 else lines[-1]
+        nearest = min(target, key=lambda xt: (abs(xt[0] - x), xt[0]))
+        self.select(reply, nearest[1])
         reply.scroll_visible()
 
     def action_edge(self, which: int) -> None:

@@ -48,19 +48,23 @@ class Inspector(Static):
         head.append(f" — {KIND_HELP[token.kind]}\n", style="dim")
         head.append(f"round {token.round}  position {token.position}\n")
         head.append(f"p(x) {token.p:.4f}   q(x) {fmt(token.q, '.4f')}   accept {fmt(token.accept_prob, '.3f')}")
+        if token.p_raw is not None:  # greedy makes p one-hot: what the model itself thought
+            head.append(f"\nmodel at T=1: p(x) {token.p_raw:.4f}", style="dim")
+        # the alternatives under the model's own distribution when the events carry it (warped p is one-hot
+        # when greedy), never zero-probability fillers
+        target_alts, target_title = (token.top_raw, "target at T=1") if token.top_raw else (token.top_p, "top under p")
+        columns = [(target_title, [a for a in target_alts if a[1] > 0]), ("top under q", [a for a in token.top_q if a[1] > 0])]
         table = Table(box=None, padding=(0, 1), show_edge=False)
-        table.add_column("top under p", no_wrap=True, overflow="ellipsis")
-        table.add_column("", justify="right", no_wrap=True)
-        table.add_column("top under q", no_wrap=True, overflow="ellipsis")
-        table.add_column("", justify="right", no_wrap=True)
-        rows = max(len(token.top_p), len(token.top_q))
-        for i in range(rows):
+        for title, _ in columns:
+            table.add_column(title, no_wrap=True, overflow="ellipsis")
+            table.add_column("", justify="right", no_wrap=True)
+        for i in range(max(len(alts) for _, alts in columns)):
             cells = []
-            for alts in (token.top_p, token.top_q):
+            for _, alts in columns:
                 if i < len(alts):
                     tid, prob = alts[i]
                     mark = "bold" if tid == token.id else ""
-                    cells += [Text(visible(decode(tid)), style=mark), f"{prob:.3f}"]
+                    cells += [Text(visible(decode(tid)), style=mark), f"{prob:.4f}"]
                 else:
                     cells += ["", ""]
             table.add_row(*cells)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.table import Table
 from rich.text import Text
-from textual.containers import VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
 from specchat.engine.metrics import Stats, measured_speedup
@@ -12,15 +14,16 @@ from specchat.fmt import fixed as fmt
 from specchat.fmt import pct
 from specchat.modes import MODES
 from specchat.session import Snapshot
+from specchat.tui.keys import key_label, mode_keys
 
-MODE_KEYS = {mode: f"F{i}" for i, mode in enumerate(MODES, start=2)}
+MODE_KEYS = {mode: key_label(key) for mode, key in mode_keys(MODES).items()}  # as shown: "F2"
 
 
 def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
     """The predicted speedup (engine.metrics.SpeedupModel) of `mode`, or why there is none yet."""
     step = snapshot.plain_step_s
     if step is None:
-        return None, "no plain step measured yet: press F2 and send a message"
+        return None, "no plain step measured yet: the next reply runs one plain round in-band"
     if mode == "off":
         return 1.0, f"plain decoding is the baseline ({1000 * step:.1f} ms/step)"
     model = snapshot.speedup(mode)
@@ -30,6 +33,22 @@ def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
         f"a={model.acceptance:.2f} K={model.k:.3g}: draft {model.draft_cost:.2f}, "
         f"verify {model.verify_cost:.2f} plain steps ({1000 * step:.1f} ms)"
     )
+
+
+def ago(seconds: float) -> str:
+    """How old a measurement is, coarsely (the panel redraws every 0.3 s at most)."""
+    if seconds < 60:
+        return f"{seconds:.0f} s ago"
+    return f"{seconds / 60:.0f} min ago" if seconds < 3600 else f"{seconds / 3600:.1f} h ago"
+
+
+def baseline_text(snapshot: Snapshot, now: float | None = None) -> Text:
+    """What the speedups compare against, and how old it is."""
+    b = snapshot.baseline
+    if b is None:
+        return Text("")
+    age = ago(max(0.0, (time.monotonic() if now is None else now) - b.measured_at))
+    return Text(f"vs plain: {1000 * b.step_s:.1f} ms/step, {age}", style="dim")
 
 
 def spark(values: list[float]) -> str:
@@ -43,7 +62,7 @@ def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
     table = Table(box=None, padding=(0, 0, 0, 1), expand=True, show_edge=False)
     table.add_column("", style="dim", no_wrap=True, overflow="ellipsis")
     table.add_column("reply", justify="right", no_wrap=True, min_width=6)
-    table.add_column(f"{mode} all", justify="right", no_wrap=True, overflow="ellipsis", min_width=6)
+    table.add_column(mode, justify="right", no_wrap=True, min_width=6)  # the whole session in this mode
     rows = [
         ("acceptance", lambda s: pct(s.acceptance_rate)),
         ("mean acc. length", lambda s: fmt(s.mean_accepted_length)),
@@ -76,7 +95,10 @@ def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) 
     return text
 
 
-def modes_table(stats: dict[str, Stats], current: str, unavailable: dict[str, str], pending: str | None) -> Table:
+def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | None) -> Table:
+    """Every mode: its key, acceptance, speed, and speed over the plain baseline (measured, recent)."""
+    stats, current = snapshot.stats, snapshot.mode
+    plain = snapshot.baseline or stats.get("off")
     table = Table(box=None, padding=(0, 1), show_edge=False)
     for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"), ("×off", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
@@ -84,8 +106,7 @@ def modes_table(stats: dict[str, Stats], current: str, unavailable: dict[str, st
         key = MODE_KEYS[mode]
         marker = "●" if mode == current else "…" if mode == pending else " "
         if mode in unavailable:
-            table.add_row(Text(key, style="dim"), Text(f"{mode}", style="dim strike"),
-                          Text("unavailable", style="dim"), "", "")
+            table.add_row(Text(key, style="dim"), Text(f" {mode}", style="dim strike"), Text("n/a", style="dim"), "", "")
             continue
         s = stats.get(mode)
         style = "bold" if mode == current else ""
@@ -94,7 +115,7 @@ def modes_table(stats: dict[str, Stats], current: str, unavailable: dict[str, st
             Text(f"{marker}{mode}", style=style),
             pct(s.acceptance_rate) if s else "",
             fmt(s.tokens_per_s, ".1f") if s else "",
-            fmt(measured_speedup(s, stats.get("off")), ".2f") if s else "",
+            fmt(measured_speedup(s, plain), ".2f") if s else "",
         )
     return table
 
@@ -107,31 +128,42 @@ class StatsPanel(VerticalScroll, can_focus=False):
     DEFAULT_CSS = """
     StatsPanel { height: 1fr; padding: 0 0 0 1; overflow-x: hidden; scrollbar-gutter: stable; scrollbar-size-vertical: 1; }
     StatsPanel > .token--accepted { color: $token-accepted; }
-    StatsPanel > .section { color: $primary; text-style: bold; margin-top: 1; }
-    StatsPanel > #mode-line { margin-top: 0; }
+    StatsPanel > Vertical { height: auto; }
+    StatsPanel .section { color: $primary; text-style: bold; margin-top: 1; }
     /* fixed heights: updates need no layout pass (which would re-measure everything on screen) */
-    StatsPanel > #mode-line { height: 2; }
-    StatsPanel > #stats { height: 11; }
-    StatsPanel > #spark { height: 1; }
-    StatsPanel > #speedup { height: 3; }
-    StatsPanel > #modes { height: 8; }
-    StatsPanel > #spark { margin-top: 1; }
+    StatsPanel #mode-line { height: 2; }
+    StatsPanel #stats { height: 11; }
+    StatsPanel #spark { height: 1; margin-top: 1; }
+    StatsPanel #speedup { height: 5; }
+    /* alone on a narrow screen it has two columns (app.tcss) */
     """
 
     _position_lines = -1
+    _shown: tuple | None = None  # the latest show()'s arguments
 
     def compose(self):
-        yield Static(id="mode-line")
-        yield Static(id="stats")
-        yield Static(id="spark")
-        yield Static("acceptance by draft position", classes="section")
-        yield Static(id="positions")
-        yield Static("estimated speedup over plain", classes="section")
-        yield Static(id="speedup")
-        yield Static("modes this session", classes="section")
-        yield Static(id="modes")
+        with Vertical(id="panel-left"):
+            yield Static(id="mode-line")
+            yield Static(id="stats")
+            yield Static(id="spark")
+            yield Static("estimated speedup over plain", classes="section")
+            yield Static(id="speedup")
+        with Vertical(id="panel-right"):
+            yield Static("acceptance by draft position", classes="section")
+            yield Static(id="positions")
+            yield Static("modes this session", classes="section")
+            yield Static(id="modes")
+
+    def on_mount(self) -> None:
+        self.query_one("#modes").styles.height = len(MODES) + 1  # a header and a row per mode
+
+    def on_resize(self) -> None:
+        """Redraw what was shown for the new width (the sparkline's length depends on it)."""
+        if self._shown is not None:
+            self.show(*self._shown[:1], unavailable=self._shown[1], pending=self._shown[2])
 
     def show(self, snapshot: Snapshot, *, unavailable: dict[str, str], pending: str | None) -> None:
+        self._shown = (snapshot, unavailable, pending)
         mode, stats, recent = snapshot.mode, snapshot.stats, snapshot.recent
         sampling = snapshot.sampling
         how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
@@ -149,15 +181,19 @@ class StatsPanel(VerticalScroll, can_focus=False):
         accepted = self.get_component_rich_style("token--accepted", partial=True).color
         colour = accepted.name if accepted is not None else "green"
         label = "recent rounds "
-        fits = max(1, (self.scrollable_content_region.width or 40) - len(label))  # the latest rounds that fit on the line
-        recent_line = Text.assemble((label, "bold"), (spark(recent[-fits:]), colour) if recent else ("no drafts yet", "dim"))
-        self.query_one("#spark", Static).update(recent_line, layout=False)
+        spark_line = self.query_one("#spark", Static)
+        # the latest rounds that fit on the line's own width (the panel may have two columns); never wrapped,
+        # or the bars, one long word, would wrap onto a hidden second line and leave the line blank
+        fits = max(1, (spark_line.content_region.width or 40) - len(label))
+        recent_line = Text.assemble((label, "bold"), (spark(recent[-fits:]), colour) if recent else ("no drafts yet", "dim"),
+                                    no_wrap=True, overflow="crop")
+        spark_line.update(recent_line, layout=False)
         positions = positions_text(stats.get(mode), colour)
         lines = len(positions.plain.splitlines())
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
         value, why = estimate_speedup(snapshot, mode)
-        measured = measured_speedup(stats.get(mode), stats.get("off"))
+        measured = measured_speedup(stats.get(mode), snapshot.baseline or stats.get("off"))
         speed = Text()
         speed.append("–" if value is None else f"{value:.2f}×", style="bold")
         speed.append(" predicted")
@@ -165,5 +201,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
             speed.append(f"   {measured:.2f}×", style="bold")
             speed.append(" measured")
         speed.append(f"\n{why}", style="dim")
+        if snapshot.baseline is not None:
+            speed.append("\n").append_text(baseline_text(snapshot))
         self.query_one("#speedup", Static).update(speed, layout=False)
-        self.query_one("#modes", Static).update(modes_table(stats, mode, unavailable, pending), layout=False)
+        self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending), layout=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual.content import Content
+from textual.geometry import Region
 from textual.message import Message
 from textual.reactive import reactive
 from textual.style import Style
 from textual.widget import Widget
-from textual.widgets import Static
 
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.tui.widgets.tokens import KINDS, token_css
@@ -38,7 +38,7 @@ class ReplyView(Widget):
         + token_css("ReplyView")
     )
 
-    show_rejected = reactive(False, layout=True)  # rejected drafts inline (F10): the height changes
+    show_rejected = reactive(False, layout=True)  # rejected drafts inline (ctrl+r): the height changes
     selected: reactive[int | None] = reactive(None)  # the token the inspector shows
     status = reactive("", layout=True)  # why the reply ended early, after its text
 
@@ -87,7 +87,7 @@ class ReplyView(Widget):
     def render(self) -> Content:
         """Styled parts are built once per span and kept: a round only converts its own spans.
 
-        They are rebuilt only when what they depend on changes (theme, selection, F10).
+        They are rebuilt only when what they depend on changes (theme, selection, ctrl+r).
         """
         styles = {kind: Style.from_rich_style(self.get_component_rich_style(f"token--{kind}", partial=True)) for kind in KINDS}
         selected = Style.from_rich_style(self.get_component_rich_style("token--selected", partial=True))
@@ -110,11 +110,52 @@ class ReplyView(Widget):
             parts.append((f"  [{self.status}]", status))
         return Content.assemble(*parts)
 
+    def token_lines(self) -> list[list[tuple[int, int]]]:
+        """Per line on screen, (x, token index) of each token drawn there, read from the rendered lines' click
+        metadata: wrapping is Textual's, so up/down follow what the user sees."""
+        lines = []
+        for strip in self.render_lines(Region(0, 0, self.size.width, self.size.height)):
+            x, line = 0, []
+            for segment in strip:
+                click = (segment.style.meta.get("@click", "") if segment.style else "") or ""
+                if click.startswith("select_token("):
+                    token = int(click[len("select_token("):-1])
+                    if not line or line[-1][1] != token:
+                        line.append((x, token))
+                x += segment.cell_length
+            if line:
+                lines.append(line)
+        return lines
+
     def action_select_token(self, token: int) -> None:
         self.post_message(self.Selected(self, token))
 
 
-class UserView(Static):
+class UserView(Widget):
+    """A user's message; one sent while a reply streams says it is queued until it is sent."""
+
     DEFAULT_CSS = """
-    UserView { padding: 0 1; margin-bottom: 1; color: $text; background: $boost; border-left: thick $primary; }
+    UserView { height: auto; padding: 0 1; margin-bottom: 1; color: $text; background: $boost; border-left: thick $primary; }
+    UserView.-queued { border-left: thick $secondary; }
+    UserView > .user--status { color: $text-muted; text-style: italic; }
     """
+    COMPONENT_CLASSES = {"user--status"}
+
+    queued = reactive(False, layout=True)
+    status = reactive("", layout=True)  # e.g. why a queued message was not sent
+
+    def __init__(self, text: str, *, queued: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+        self.set_reactive(UserView.queued, queued)  # no watcher before mounting: set its class here
+        self.set_class(queued, "-queued")
+
+    def watch_queued(self, queued: bool) -> None:
+        self.set_class(queued, "-queued")
+
+    def render(self) -> Content:
+        note = "queued: sent when this reply finishes" if self.queued else self.status
+        if not note:
+            return Content(self.text)
+        style = Style.from_rich_style(self.get_component_rich_style("user--status", partial=True))
+        return Content.assemble(self.text, (f"  [{note}]", style))

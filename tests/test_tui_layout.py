@@ -1,0 +1,178 @@
+"""The chat as people expect it (issue 11): focus never strands typed text, messages sent while a reply streams
+are queued, 80x24 is fully usable, no two keys clash for up to nine modes, and the sparkline shows the latest
+rounds however many there were."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from textual.widgets import Input
+
+from specchat.modes import MODES
+from specchat.tui.app import SpecChatApp
+from specchat.tui.help import HelpScreen, keys_table
+from specchat.tui.keys import MAX_MODES, all_keys, mode_keys
+from specchat.tui.widgets import Conversation, Inspector, StatsPanel, UserView
+from helpers import FakeSession
+from test_tui import RecordingApp, plain_text, send, wait_for
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, as text (the compositor's lines)."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+# ------------------------------------------------------------------ keys
+
+
+@pytest.mark.parametrize("n", range(1, MAX_MODES + 1))
+def test_no_two_keys_clash_for_up_to_nine_modes(n):
+    keys = all_keys([f"mode{i}" for i in range(n)])
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+
+
+def test_a_tenth_mode_is_refused_rather_than_given_a_clashing_key():
+    with pytest.raises(ValueError):
+        mode_keys([f"mode{i}" for i in range(MAX_MODES + 1)])
+
+
+def test_the_apps_bindings_are_the_key_schemes_and_all_differ():
+    keys = [k for b in SpecChatApp.BINDINGS for k in b.key.split(",")]
+    assert len(keys) == len(set(keys))
+    assert set(keys) <= set(all_keys(MODES))
+    assert [k for k in keys if k.startswith("f") and k[1:].isdigit() and 2 <= int(k[1:]) <= 10] == list(mode_keys(MODES).values())
+
+
+def test_the_help_lists_every_mode_and_action_key():
+    text = plain_text(keys_table())
+    for mode, key in mode_keys(MODES).items():
+        assert f"{key.upper()}" in text and mode in text
+    for label in ("F1", "Esc", "^s", "^r", "^t", "^l F12", "^q", "^p", "Tab", "Enter"):
+        assert label in text, label
+
+
+# ------------------------------------------------------------------ focus and the queue
+
+
+@pytest.mark.asyncio
+async def test_after_the_inspector_esc_gives_the_focus_back_to_the_input():
+    session = FakeSession()
+    app = RecordingApp(session)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, "first")
+        await wait_for(pilot, lambda: not app.generating)
+        prompt = app.query_one("#prompt", Input)
+        await pilot.press("tab")
+        assert isinstance(app.focused, Conversation)
+        await pilot.press("right")
+        assert app.query_one(Inspector).has_class("-shown")
+        await pilot.press("escape")
+        assert app.focused is prompt and not app.query_one(Inspector).has_class("-shown")
+        await pilot.press(*"again", "enter")
+        await wait_for(pilot, lambda: len(session.turns) == 2)
+        assert session.turns[1].user == "again"
+
+        # typing while the conversation has the focus goes to the input too, with nothing lost
+        await wait_for(pilot, lambda: not app.generating)
+        await pilot.press("tab", "right")
+        assert isinstance(app.focused, Conversation)
+        await pilot.press(*"third", "enter")
+        await wait_for(pilot, lambda: len(session.turns) == 3)
+        assert session.turns[2].user == "third" and app.focused is prompt
+
+
+@pytest.mark.asyncio
+async def test_enter_while_a_reply_streams_queues_the_message_and_stop_does_not_drop_it():
+    session = FakeSession(gated=True)
+    app = RecordingApp(session)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, "first")
+        session.release(1)
+        await wait_for(pilot, lambda: app.snapshot.reply.rounds == 1)
+        await send(pilot, "second")
+        await send(pilot, "third")
+        prompt = app.query_one("#prompt", Input)
+        assert prompt.value == "" and len(session.turns) == 1
+        views = list(app.query(UserView))
+        assert [v.text for v in views] == ["first", "second", "third"]
+        assert [v.queued for v in views] == [False, True, True]
+        assert "queued" in views[1].render().plain and views[1].has_class("-queued")
+
+        await pilot.press("escape")  # stop the first reply: the queue goes on
+        await wait_for(pilot, lambda: len(session.turns) == 2)
+        assert session.turns[1].user == "second" and not views[1].queued and views[2].queued
+        shown = [w.text if isinstance(w, UserView) else "reply" for w in app.query_one(Conversation).children]
+        assert shown == ["first", "reply", "second", "reply", "third"]  # each reply under its message
+        assert "queued" not in views[1].render().plain
+        session.release(100)
+        await wait_for(pilot, lambda: len(session.turns) == 3 and not app.generating)
+        assert [t.user for t in session.turns] == ["first", "second", "third"]
+        assert session.turns[0].stop_reason is None and session.turns[2].stop_reason == "eos"
+        assert not app.queued and not any(v.queued for v in app.query(UserView))
+
+
+# ------------------------------------------------------------------ 80x24
+
+
+@pytest.mark.asyncio
+async def test_80x24_is_usable_chat_and_panel_switch_with_ctrl_t():
+    session = FakeSession()
+    app = RecordingApp(session)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: not app.generating)
+        text = screen_text(app)
+        for shown in ("F1 help", "^s export", "^r rejected", "^t panel", "^l log", "^p palette"):
+            assert shown.lower() in text.lower(), shown  # every action's key is in the footer
+        assert not app.query_one(StatsPanel).display or not app.query_one("#side").display
+
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        text = screen_text(app)
+        assert not app.query_one("#chat").display and isinstance(app.focused, StatsPanel)
+        for shown in ("mean acc. length", "verify ms/round", "recent rounds", "acceptance by draft position",
+                      "estimated speedup", "modes this session", "×off", *MODES):
+            assert shown in text, shown
+        for key in mode_keys(MODES).values():
+            assert key.upper() in text
+        assert "…" not in text  # nothing truncated
+
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert app.query_one("#chat").display and app.focused is app.query_one("#prompt", Input)
+
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@pytest.mark.asyncio
+async def test_wide_terminals_show_chat_and_panel_and_ctrl_t_hides_the_panel():
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=(160, 45)) as pilot:
+        assert app.query_one("#side").display and app.query_one("#chat").display
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert not app.query_one("#side").display and app.query_one("#chat").display
+
+
+# ------------------------------------------------------------------ the sparkline
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [(160, 45), (100, 30), (80, 24)])
+async def test_the_sparkline_shows_the_latest_rounds_after_more_rounds_than_fit(size):
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=size) as pilot:
+        if size[0] < 100:
+            await pilot.press("ctrl+t")  # narrow: the panel replaces the chat
+        await pilot.pause()
+        # 300 rounds, far more than any width: old ones accepted nothing, the latest 150 everything
+        app.snapshot = dataclasses.replace(app.session.snapshot(), recent=[0.0] * 150 + [1.0] * 150)
+        app.refresh_panel(retake=False)
+        await pilot.pause()
+        line = next(line for line in screen_text(app).splitlines() if "recent rounds" in line)
+        bars = line.split("recent rounds", 1)[1].strip()
+        assert len(bars) >= 10 and set(bars) == {"█"}, line  # the latest rounds, not the oldest, not blank
