@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -14,11 +16,14 @@ from specchat import store
 from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
-from specchat.engine.metrics import SpeedupModel, Stats, speedup_model
+from specchat.engine.drafters.head import fingerprint
+from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
 from specchat.modes import TUNABLE
 
 RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
+BASELINE_ROUNDS = 16  # the latest plain rounds the baseline is measured from
+BASELINE_EVERY = 32  # measure_baseline(): one plain round after this many rounds of another mode
 
 
 class PromptTooLong(ValueError):
@@ -49,6 +54,7 @@ class Snapshot:
     stats: dict[str, Stats]  # per mode, this session
     reply: Stats  # the latest turn
     recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
+    baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
 
     @property
     def total(self) -> Stats:
@@ -59,6 +65,9 @@ class Snapshot:
 
     @property
     def plain_step_s(self) -> float | None:
+        """The recent baseline's plain step; without one (a snapshot built by hand), mode off's over the session."""
+        if self.baseline is not None:
+            return self.baseline.step_s
         plain = self.stats.get("off")
         return plain.plain_step_s if plain else None
 
@@ -78,6 +87,8 @@ def drafter_options(model, mode: str, options: dict) -> dict:
             out[setting] = tuned[setting]
     if mode == "lowrank":
         out.setdefault("factor_store", store.TensorStore(store.cache_dir() / "lowrank"))
+    if mode == "head" and out.get("head_file") is None:
+        out["head_file"] = store.find_head(fingerprint(model))
     return out
 
 
@@ -113,7 +124,17 @@ class Session:
         self.eos_ids = target.eos_ids
         self.device_label, self.dtype_label = str(self.state.device), str(target.model.dtype).removeprefix("torch.")
 
+    _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
+
     # -- modes
+    def measure_baseline(self, every: int = BASELINE_EVERY) -> None:
+        """Interleave one plain round (mode off: ordinary decoding, so replies stay exact) after every `every`
+        rounds of another mode, the first one early, so the baseline is re-measured under the conditions of
+        what it is compared with; 0 stops it."""
+        self.controls.baseline = self.drafter("off") if every else None
+        self.controls.baseline_every = every
+        self.controls.rounds_since_baseline = max(every - 1, 0)  # round 1 runs plain (round 0's token came with the prefill)
+
     def drafter(self, mode: str) -> Drafter:
         """Build a mode's drafter once and keep it (raises ModeUnavailable)."""
         if mode not in self._drafters:
@@ -209,6 +230,10 @@ class Session:
                 turn.stop_reason = record.stop_reason
                 turn.stats.add(record)
                 self.stats.setdefault(record.mode, Stats()).add(record)
+                if record.mode == "off" and record.index > 0:  # round 0's token came with the prefill: no step to time
+                    if self._plain is None:
+                        self._plain = deque(maxlen=BASELINE_ROUNDS)
+                    self._plain.append((time.monotonic(), record))
             yield record
 
     # -- what the front ends show
@@ -231,6 +256,7 @@ class Session:
                 stats={mode: s.copy() for mode, s in self.stats.items()},
                 reply=self.turns[-1].stats.copy() if self.turns else Stats(),
                 recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
+                baseline=Baseline.of(self._plain or ()),
             )
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:

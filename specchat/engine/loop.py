@@ -15,6 +15,7 @@ from specchat.engine.sampling import SamplingParams, logits_to_probs
 from specchat.engine.target import TargetState
 
 TOP_ALTERNATIVES = 5
+UNWARPED = SamplingParams(1.0, 0, 1.0)  # p is then the model's own distribution
 
 
 class AdaptiveK:
@@ -47,6 +48,12 @@ class Controls:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: AcceptRule = EXACT
     adaptive: AdaptiveK | None = None  # when set, it chooses K each round instead of `k`
+    # in-band baseline: with `baseline` (mode off's drafter) set, after every `baseline_every` rounds of another
+    # mode one round runs plain (an ordinary decoding round, so the output stays exact): the plain step is
+    # re-measured under the same conditions as the mode it is compared with
+    baseline: Drafter | None = None
+    baseline_every: int = 0
+    rounds_since_baseline: int = 0  # counted across generations, so short replies get plain rounds too
 
     @property
     def mode(self) -> str:
@@ -96,6 +103,10 @@ def generate(
     while produced < limit:
         drafter, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
         want = adaptive.k(drafter.name) if adaptive else controls.k
+        if controls.baseline is not None and controls.baseline_every and drafter is not controls.baseline:
+            controls.rounds_since_baseline += 1
+            if controls.rounds_since_baseline > controls.baseline_every:  # after `baseline_every` rounds of the mode
+                drafter, want, controls.rounds_since_baseline = controls.baseline, 0, 0
         drafter.p_min = adaptive.p_min if adaptive else 0.0
         # never draft past the token budget (the last token needs no draft) or verify past the context window
         k = min(want, limit - produced - 1)
@@ -145,7 +156,8 @@ def generate(
             stop_reason=stop_reason,
             prefill_s=prefill_s if round_index == 0 else 0.0,
         )
-        record.tokens = _token_events(new, n, p, q, verdict.accept_probs, round_index, decode)
+        raw = p if params == UNWARPED else logits[: len(new)].float().softmax(-1)  # [E, V]: the inspector's
+        record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode)
         record.wall_s = time.perf_counter() - t0
         produced += len(new)
         round_index += 1
@@ -154,7 +166,7 @@ def generate(
             return
 
 
-def _token_events(new, n, p, q, accept_probs, round_index, decode) -> list[TokenEvent]:
+def _token_events(new, n, p, q, raw, accept_probs, round_index, decode) -> list[TokenEvent]:
     """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
     k = q.shape[0]
     ids = torch.tensor(new, device=p.device)  # [E]
@@ -162,6 +174,7 @@ def _token_events(new, n, p, q, accept_probs, round_index, decode) -> list[Token
     drafted = min(len(new), k)  # emitted positions that had a draft
     q_x = q[torch.arange(drafted, device=q.device), ids[:drafted]].tolist()
     top_p, top_q = top_alternatives(p[: len(new)]), top_alternatives(q[:drafted])
+    raw_x, top_raw = raw[torch.arange(len(new), device=p.device), ids].tolist(), top_alternatives(raw[: len(new)])
     acc = accept_probs.tolist()
     events = []
     for i, tok in enumerate(new):
@@ -183,6 +196,8 @@ def _token_events(new, n, p, q, accept_probs, round_index, decode) -> list[Token
                 accept_prob=acc[i] if kind == "accepted" else None,
                 top_p=top_p[i],
                 top_q=top_q[i] if i < drafted else (),
+                p_raw=raw_x[i],
+                top_raw=top_raw[i],
             )
         )
     return events

@@ -193,7 +193,29 @@ def speedup_model(stats: Stats | None, plain_step_s: float | None) -> SpeedupMod
     )
 
 
-def measured_speedup(stats: Stats | None, plain: Stats | None) -> float | None:
+@dataclass(frozen=True)
+class Baseline:
+    """Plain decoding as measured by the latest plain rounds (mode off's, or the ones interleaved in-band with
+    another mode's): what the predicted and measured speedups compare against, so both sides ran under the
+    same load. `measured_at` (time.monotonic()) says how old it is."""
+
+    step_s: float  # mean verify time of one plain round: one plain target step
+    tokens_per_s: float
+    rounds: int
+    measured_at: float
+
+    @classmethod
+    def of(cls, rounds: Iterable[tuple[float, RoundRecord]]) -> "Baseline | None":
+        """From (time, record) pairs of plain rounds; None without any."""
+        rounds = list(rounds)
+        wall = sum(r.wall_s for _, r in rounds)
+        if not rounds or not wall:
+            return None
+        step_s = sum(r.verify_s for _, r in rounds) / len(rounds)
+        return cls(step_s, sum(r.emitted for _, r in rounds) / wall, len(rounds), max(t for t, _ in rounds))
+
+
+def measured_speedup(stats: Stats | None, plain: Stats | Baseline | None) -> float | None:
     """tokens/s of a mode over tokens/s of plain decoding."""
     if stats is None or plain is None or not stats.tokens_per_s or not plain.tokens_per_s:
         return None
