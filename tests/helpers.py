@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +21,7 @@ from specchat.engine.drafters import Drafter, ModeUnavailable
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.sampling import logits_to_probs
 from specchat.session import Session
-from specchat.verify import sample_continuations
+from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
 
 # ---------------------------------------------------------------- tiny models
 
@@ -72,8 +74,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model_dir(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 32) -> Path:
-    """Save a randomly initialised tiny Llama and its tokenizer to `path` (created) and return it."""
+def tiny_model_dir(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 32, sharpen: float = 4.0) -> Path:
+    """Save a randomly initialised tiny Llama and its tokenizer to `path` (created) and return it. `sharpen`
+    scales the LM head (larger: more peaked next-token distributions, where a wrong rule shows sooner)."""
     tokenizer = tiny_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -91,7 +94,7 @@ def tiny_model_dir(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # peaked distributions, like a real model's
+        model.lm_head.weight.mul_(sharpen)  # peaked distributions, like a real model's
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -139,11 +142,68 @@ def exact_joint(target, prompt, params, length):
     return dist
 
 
-def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0):
-    """`draws` independent generations of `length` tokens from PROMPT (the prefix cache is reused)."""
-    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0, generated=None, stats=None, adaptive=None):
+    """`draws` independent generations of `generated` tokens (default `length`) from PROMPT (the prefix cache is
+    reused); the counts of their first `length` tokens. `stats` (a Stats) collects every round.
+
+    The loop never drafts past the token budget, so a draw of `length` tokens drafts at most length-1: a test
+    of draft position K needs `generated` >= K+1 (then the first round drafts all K)."""
+    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}), adaptive=adaptive)
     generator = torch.Generator().manual_seed(seed)
-    return sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=length, eos_ids=set(), generator=generator)
+    drawn = sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=max(length, generated or 0),
+                                 eos_ids=set(), generator=generator, stats=stats)
+    counts = Counter()
+    for seq, count in drawn.items():
+        counts[seq[:length]] += count
+    return counts
+
+
+@dataclass
+class PositionFit:
+    """The first `depth` tokens of the draws against the target's exact conditionals (specchat.verify's test,
+    position by position): per position the chi-square over every prefix and the likelihood score test,
+    combined as verify combines them; `p_value` is the smallest of them times the number of positions
+    (Bonferroni: the level stays alpha, and a bug at one position is not diluted by the others)."""
+
+    positions: list[dict]
+    p_value: float
+
+    def passed(self, alpha: float) -> bool:
+        return self.p_value >= alpha
+
+    @property
+    def per_position(self) -> list[float]:
+        return [p["combined_p"] for p in self.positions]
+
+    @property
+    def worst_position(self) -> int:
+        return min(self.positions, key=lambda p: p["combined_p"])["position"]
+
+    def __repr__(self) -> str:
+        return f"PositionFit(p={self.p_value:.3g}, per position {[f'{p:.3g}' for p in self.per_position]})"
+
+
+def fit_to_target(target, counts: Counter, params, depth: int) -> PositionFit:
+    positions, _, _ = conditional_tests(counts, TargetConditionals(target, PROMPT, params), depth)
+    return PositionFit(positions, min(1.0, depth * min(p["combined_p"] for p in positions)))
+
+
+def sample_and_fit(target, drafter, params, *, k, draws, rule=None, seed=0, adaptive=None, depth=None):
+    """Draws that generate K+1 tokens (more with `depth`), their first `depth` (default K+1) tokens tested
+    with `fit_to_target`; also the Stats of every round, to check which draft positions were really used."""
+    from specchat.engine.metrics import Stats
+
+    depth = depth or k + 1
+    stats = Stats()
+    counts = sample_joint(target, drafter, params, k=k, draws=draws, length=depth, generated=k + 1, rule=rule, seed=seed,
+                          stats=stats, adaptive=adaptive)
+    return fit_to_target(target, counts, params, depth), stats
+
+
+def assert_drafted_up_to(stats, k: int) -> None:
+    """Every draft position 1..K was proposed in some round, and none beyond K."""
+    per_pos = stats.num_draft_tokens_per_pos
+    assert len(per_pos) == k and min(per_pos) > 0, f"draft positions used: {per_pos}, wanted 1..{k}"
 
 
 SAMPLING_CASES = {
@@ -349,3 +409,55 @@ def bigram_draft(target, scale: float = 0.5) -> TableLM:
     vocab = target.config.vocab_size
     table = torch.stack([forward_logits(target, new_cache(target), [t], keep=1)[-1] for t in range(vocab)])  # [V, V]
     return TableLM(table * scale, target.config)
+
+
+class WrongTemperatureFrom(ModelDrafter):
+    """Deliberately broken drafter, the bug the independent check used: from draft position `position` on it
+    samples its drafts at temperature T * `factor` but reports q at the session's T (positions before are
+    right). A test that only ever drafts K < `position` cannot see it."""
+
+    def __init__(self, model, position: int = 3, factor: float = 0.5) -> None:
+        super().__init__(model)
+        self.position, self.factor = position, factor
+        self.true_logits: list[torch.Tensor] = []
+
+    def next_logits(self, feed, vocab_size):
+        logits = super().next_logits(feed, vocab_size)  # one call per draft position, in order
+        self.true_logits.append(logits)
+        return logits / self.factor if len(self.true_logits) >= self.position else logits
+
+    def propose(self, state, k, params, generator):
+        self.true_logits = []
+        proposal = super().propose(state, k, params, generator)
+        n = proposal.ids.numel()
+        if proposal.q is not None and n >= self.position:
+            reported = logits_to_probs(torch.stack(self.true_logits[self.position - 1 : n]), params)
+            proposal.q = torch.cat([proposal.q[: self.position - 1], reported.to(proposal.q.device)])
+        return proposal
+
+
+class ReportsWrongQ(Drafter):
+    """Deliberately broken wrapper around any drafter with a q: the drafts are sampled from the right q, but from
+    draft position `position` on the q it reports is that q at another temperature (q ** (1 / factor),
+    renormalised; the zeros of top-k / top-p stay zeros). For drafts that nearly always agree with the target
+    (quant) resampling from p instead of the residual hardly shows, a wrong q does."""
+
+    def __init__(self, inner: Drafter, position: int = 3, factor: float = 2.0) -> None:
+        self.inner, self.position, self.factor = inner, position, factor
+        self.name = inner.name
+
+    def propose(self, state, k, params, generator):
+        self.inner.p_min = self.p_min
+        proposal = self.inner.propose(state, k, params, generator)
+        if proposal.q is not None and proposal.ids.numel() >= self.position:
+            q = proposal.q.clone()
+            wrong = q[self.position - 1 :] ** (1.0 / self.factor)
+            q[self.position - 1 :] = wrong / wrong.sum(-1, keepdim=True)
+            proposal.q = q
+        return proposal
+
+    def verify(self, state, draft_ids):
+        return self.inner.verify(state, draft_ids)
+
+    def reset(self) -> None:
+        self.inner.reset()

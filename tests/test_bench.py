@@ -9,7 +9,7 @@ from specchat.bench import runner
 from specchat.cli.main import main
 from specchat.engine.events import RoundRecord
 from specchat.engine.metrics import Stats, expected_tokens_per_round, predicted_speedup
-from helpers import tiny_model_dir
+from helpers import BonusFromPreviousPosition, tiny_model_dir
 
 CONFIG_FIELDS = {
     "config", "mode", "k", "temperature", "accept", "exact", "peer", "generations", "new_tokens", "tokens_per_s",
@@ -105,9 +105,31 @@ def test_bench_approximate_rule_gets_quality_metrics(model_dir, prompts_file, tm
     data = json.loads((out / "results.json").read_text())
     approx = data["checks"]["approximate"]
     assert [a["config"] for a in approx] == ["draft K=2 T=0 approx:0.5"]
-    assert 0 <= approx[0]["greedy_agreement"] <= 1 and approx[0]["mean_logprob"] <= 0
+    # at T=0 a lenient rule still keeps only the target's argmax (p and q are one-hot): the same text as plain
+    # greedy, so full agreement and the same mean log-prob as plain decoding's output
+    assert approx[0]["greedy_agreement"] == 1.0
+    assert approx[0]["mean_logprob"] == pytest.approx(approx[0]["plain_mean_logprob"]) and approx[0]["mean_logprob"] < 0
     assert next(c for c in data["configs"] if c["accept"] != "exact")["exact"] is False
     assert "approx: agree" in result.output
+
+
+def test_bench_reports_fail_and_exits_1_on_a_broken_rule(tmp_path, prompts_file, monkeypatch):
+    """A rule that claims to be exact but draws the bonus from p[K-1]: greedy identity and the distribution check
+    both fail, the report says so, and the command exits 1."""
+    sharp = tiny_model_dir(tmp_path / "sharp", sharpen=20.0)  # peaked distributions: the wrong bonus shows
+    monkeypatch.setattr(runner, "parse_rule", lambda spec: BonusFromPreviousPosition())
+    out = tmp_path / "broken"
+    result = invoke(
+        "--target", sharp, "--draft", sharp, "--device", "cpu", "--dtype", "float32", "--modes", "off,draft",
+        "--draft-len", "2", "--temperature", "0,1", "--prompts", prompts_file, "--max-new-tokens", "6", "--repeat", "1",
+        "--verify-samples", "100", "--out", out,
+    )
+    assert result.exit_code == 1, result.output
+    assert "bench: quality check FAILED" in result.output
+    checks = json.loads((out / "results.json").read_text())["checks"]
+    assert checks["greedy_identity"]["verdict"] == "fail" and checks["greedy_identity"]["compared"] == 2
+    assert len(checks["distribution"]) == 1 and checks["distribution"][0]["verdict"] == "fail"
+    assert checks["distribution"][0]["p_value"] < 1e-6
 
 
 # ---------------------------------------------------------------- predicted speedup

@@ -54,7 +54,9 @@ def test_verify_passes_for_draft_mode(default_dir):
     r = invoke("verify", "--draft", default_dir, "-n", 60, "--seed", 0, "--format", "json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
-    assert report["verdict"] == "pass" and report["exact"] is True and report["samples"] == 60 and 0 <= report["p_value"] <= 1
+    assert report["verdict"] == "pass" and report["exact"] is True and report["samples"] == 60 and report["p_value"] >= report["alpha"]
+    # the verdict's p-value is the weighted Bonferroni of the chi-square (3/4 of alpha) and the likelihood test (1/4)
+    assert report["p_value"] == pytest.approx(min(1.0, report["chi2_p_value"] / 0.75, report["likelihood_p"] / 0.25))
     assert report["tokens"] == report["generated"] == 5 and [p["position"] for p in report["positions"]] == [1, 2, 3, 4, 5]
     assert report["max_drafted"] == 4 and min(report["drafted_per_position"]) > 0  # every draft position was tested
 
@@ -73,28 +75,6 @@ def test_no_subcommand_starts_the_chat_or_says_why(monkeypatch):
     monkeypatch.setattr(app, "run_chat", lambda session, **kw: print("CHAT", session.mode))
     r = invoke("--max-new-tokens", 4)
     assert r.exit_code == 0 and "CHAT off" in r.output
-
-
-BAD_INPUTS = {
-    "unknown hub id": (["--target", "nobody/no-such-model"], "not found in the local Hugging Face cache"),
-    "missing path": (["--target", "./no/such/dir"], "not found"),
-    "missing gguf": (["--target", "missing.gguf"], "GGUF file not found"),
-    "K < 1": (["-k", "0"], "draft-len"),
-    "temperature < 0": (["--temperature", "-1"], "temperature"),
-    "top-p 0": (["--top-p", "0"], "top-p"),
-    "top-p > 1": (["--top-p", "1.5"], "top-p"),
-    "top-k < 0": (["--top-k", "-1"], "top-k"),
-    "draft mode without draft": (["--mode", "draft"], "needs a draft model"),
-    "unknown mode": (["--mode", "nope"], "mode"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_and_nonzero(case):
-    args, expected = BAD_INPUTS[case]
-    r = invoke("generate", "--prompt", "hi", *args)
-    assert r.exit_code != 0
-    assert expected in r.output and "Traceback" not in r.output
 
 
 def test_not_a_model(tmp_path):

@@ -90,6 +90,36 @@ def test_help_version_and_argument_errors_do_not_import_torch(args):
     assert r.stderr.strip().splitlines()[-1] == "NO-TORCH", r.stderr
 
 
+# ---------------------------------------------------------------- bad input: one line, no traceback
+
+BAD_INPUTS = {
+    "unknown hub id": (["--target", "nobody/no-such-model"], "not found in the local Hugging Face cache"),
+    "missing path": (["--target", "./no/such/dir"], "not found"),
+    "missing gguf": (["--target", "missing.gguf"], "GGUF file not found"),
+    "K < 1": (["-k", "0"], "draft-len"),
+    "temperature < 0": (["--temperature", "-1"], "temperature"),
+    "top-p 0": (["--top-p", "0"], "top-p"),
+    "top-p > 1": (["--top-p", "1.5"], "top-p"),
+    "top-k < 0": (["--top-k", "-1"], "top-k"),
+    "draft mode without draft": (["--mode", "draft"], "needs a draft model"),
+    "unknown mode": (["--mode", "nope"], "mode"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_nonzero(case):
+    """Every bad input fails before a model loads (no model is needed here): exit status non-zero, exactly one
+    line of output (stdout and stderr together), and no exception escaped click (no traceback)."""
+    args, expected = BAD_INPUTS[case]
+    r = invoke("generate", "--prompt", "hi", *args)
+    lines = r.output.strip().splitlines()
+    chat = invoke(*args)  # the same option on the chat (the group's own options)
+    assert chat.exit_code != 0 and len(chat.output.strip().splitlines()) == 1 and "Traceback" not in chat.output, chat.output
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit), (r.exception, r.output)
+    assert "Traceback" not in r.output and expected in r.output, r.output
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
+
+
 # ---------------------------------------------------------------- --export
 
 

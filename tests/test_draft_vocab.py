@@ -1,11 +1,14 @@
 """A draft whose embedding table is smaller than the target's (models sharing a tokenizer, padded differently)."""
 
+import copy
+
+import pytest
 import torch
 
-from helpers import exact_joint, run, sample_joint, tiny_llama
+from helpers import ALPHA, ReportsWrongQ, assert_drafted_up_to, fit_to_target, run, sample_joint, tiny_llama
 from specchat.engine import SamplingParams
 from specchat.engine.drafters.model import ModelDrafter
-from specchat.verify import goodness_of_fit
+from specchat.engine.metrics import Stats
 
 PROMPT = [1, 2, 3]
 
@@ -24,13 +27,38 @@ def test_target_ids_beyond_the_draft_table_do_not_crash_and_are_never_proposed()
     assert proposed and max(proposed) < 36
 
 
-def test_output_still_follows_the_target_distribution():
-    target, draft = pair()
+def padded_pair():
+    """The target (vocabulary 40) and the same model with its embedding and LM head cut to 36 rows, as a model
+    padded differently: the draft agrees with the target (~0.7-0.9 per draft position), so draft position K is
+    reached and judged often, except that it never proposes ids 36..39 and is fed a stand-in for them. (The
+    random pair above is nearly uniform over 40 ids: no wrong q could show there.)"""
+    target = tiny_llama(seed=0, layers=2, vocab=40)
+    draft = copy.deepcopy(target)
+    draft.resize_token_embeddings(36)
+    assert draft.get_input_embeddings().num_embeddings == 36 and draft.lm_head.out_features == 36
+    return target.requires_grad_(False), draft.requires_grad_(False)
+
+
+@pytest.mark.parametrize("bug", [None, "q at the wrong temperature from position 3"])
+def test_output_still_follows_the_target_distribution(record_property, bug):
+    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings
+    (measured p = 1.4e-18, at position 3)."""
+    target, draft = padded_pair()
     params = SamplingParams(1.0)
-    counts = sample_joint(target, ModelDrafter(draft), params, k=2, draws=3000, length=3, seed=5)
-    exact = exact_joint(target, PROMPT, params, 3)
-    assert sum(p for ids, p in exact.items() if any(t >= 36 for t in ids)) > 0.05  # the beyond-table ids matter
-    assert goodness_of_fit(counts, exact).passed(1e-3)
+    drafter = ModelDrafter(draft)
+    if bug:
+        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
+    stats = Stats()
+    counts = sample_joint(target, drafter, params, k=3, draws=1500, length=4, generated=4, seed=5, stats=stats)
+    fit = fit_to_target(target, counts, params, 4)
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    # ids the draft cannot embed come up before the last token in many draws: the next round feeds the stand-in
+    assert sum(c for seq, c in counts.items() if any(t >= 36 for t in seq[:3])) > 0.05 * 1500
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6 and fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
 
 
 def test_a_larger_draft_table_is_cut_to_the_target_vocabulary():

@@ -15,8 +15,9 @@ from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.session import drafter_options
 from specchat.store import save_tuned
-from specchat.verify import goodness_of_fit
-from helpers import ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, exact_joint, run, sample_joint
+from specchat.engine.metrics import Stats
+from helpers import (ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, ResampleFromP, assert_drafted_up_to, fit_to_target, run,
+                     sample_and_fit)
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
@@ -58,23 +59,48 @@ def test_verify_without_a_matching_proposal_falls_back(deep_target):
     torch.testing.assert_close(drafter.verify(state, [7, 8]), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["topp0.8"])
-def test_sampled_output_matches_target_distribution(rough_target, case):
-    params = SAMPLING_CASES[case]
-    counts = sample_joint(rough_target, build_drafter("earlyexit", rough_target, exit_layer=2), params, k=3, draws=1500, length=2)
-    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
-    assert result.passed(ALPHA), result
+# Each setting draws K+1 = 4 tokens per sample, so the first round drafts positions 1..3 and may earn the bonus,
+# and is tested position by position against the target's exact conditionals. The rough target's drafts disagree
+# often (many residual draws: resampling from p shows); the deep target's agree (~0.9 per position), so draft
+# position 3 is reached and judged often enough that a q wrong only from position 3 on shows.
+SETTINGS = {  # name: (target fixture, sampling case, exit layer)
+    "rough, topp0.8": ("rough_target", "topp0.8", 2),
+    "deep, t1": ("deep_target", "t1", 2),
+}
+BUGS = {  # name: (wrap the drafter, rule)
+    "resample from p": (lambda d: d, ResampleFromP),
+    "q at the wrong temperature from position 3": (lambda d: ReportsWrongQ(d, position=3, factor=0.25), lambda: None),
+}
 
 
-def test_distribution_test_catches_a_broken_rule(rough_target):
-    params = SAMPLING_CASES["t1"]
-    drafter = build_drafter("earlyexit", rough_target, exit_layer=1)
-    counts = sample_joint(rough_target, drafter, params, k=3, draws=1000, length=2, rule=ResampleFromP())
-    assert not goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
+@pytest.mark.parametrize("setting, bug", [
+    ("rough, topp0.8", None),
+    ("rough, topp0.8", "resample from p"),  # control; measured p = 2.4e-44
+    ("deep, t1", None),
+    ("deep, t1", "q at the wrong temperature from position 3"),  # control; measured p = 3.2e-21
+])
+def test_sampled_output_matches_target_distribution(request, record_property, setting, bug):
+    """K=3 with draws of K+1 tokens; each broken control must fail at the same settings as its exact run."""
+    fixture, case, exit_layer = SETTINGS[setting]
+    target = request.getfixturevalue(fixture)
+    drafter, rule = build_drafter("earlyexit", target, exit_layer=exit_layer), None
+    if bug:
+        wrap, make_rule = BUGS[bug]
+        drafter, rule = wrap(drafter), make_rule()
+    fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=1000, rule=rule)
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6, fit
+        if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
+            assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
 
 
-def switching(target, drafters, params, max_new_tokens, seed=0):
-    """Generate while changing controls.drafter after every round, cycling through `drafters`."""
+def switching(target, drafters, params, max_new_tokens, seed=0, stats=None):
+    """Generate while changing controls.drafter after every round, cycling through `drafters`; `stats` (a Stats)
+    collects every round."""
     state = TargetState(target)
     cycle = itertools.cycle(drafters)
     controls = Controls(next(cycle), k=3, sampling=params)
@@ -83,6 +109,8 @@ def switching(target, drafters, params, max_new_tokens, seed=0):
     for record in generate(state, PROMPT, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=gen):
         out += [t.id for t in record.tokens]
         modes.append(record.mode)
+        if stats is not None:
+            stats.add(record)
         controls.drafter = next(cycle)
     return out, modes
 
@@ -103,16 +131,22 @@ def test_switching_modes_mid_generation_keeps_greedy_output(deep_target):
     assert {"earlyexit", "layerskip", "off", "draft"} <= set(modes)
 
 
-def test_switching_modes_keeps_the_distribution(rough_target):
+def test_switching_modes_keeps_the_distribution(rough_target, record_property):
+    """Draws of K+1 = 4 tokens (K=3: the first round drafts every position), the drafter changing after every
+    round, tested position by position."""
     from collections import Counter
 
     params = SamplingParams(1.0)
     drafters = [build_drafter("earlyexit", rough_target, exit_layer=2), build_drafter("layerskip", rough_target, skip_layers=[2])]
-    counts = Counter()
+    counts, stats = Counter(), Stats()
     for seed in range(300):
-        out, _ = switching(rough_target, drafters[seed % 2 :] + drafters[: seed % 2], params, 3, seed=seed)
-        counts[tuple(out[:2])] += 1
-    assert goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2)).passed(ALPHA)
+        out, _ = switching(rough_target, drafters[seed % 2 :] + drafters[: seed % 2], params, 4, seed=seed, stats=stats)
+        counts[tuple(out)] += 1
+    assert_drafted_up_to(stats, 3)
+    assert stats.rounds > 300  # some draws ran a second round, with the other drafter
+    fit = fit_to_target(rough_target, counts, params, 4)
+    record_property("p_value", fit.p_value)
+    assert fit.passed(ALPHA), fit
 
 
 def test_default_exit_layer_tuned_then_builtin(deep_target, tmp_path, monkeypatch):

@@ -7,8 +7,10 @@ from helpers import tiny_llama
 from specchat.engine import Controls, SamplingParams, TargetState
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.lookup import LookupDrafter
-from specchat.verify import goodness_of_fit, sample_continuations
-from helpers import ALPHA, ResampleFromP, exact_joint, run
+from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
+from specchat.engine.metrics import Stats
+from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
+from helpers import ALPHA, PositionFit, ResampleFromP, assert_drafted_up_to, run
 
 # "1 2" occurs earlier, followed by "3 1 2 ...": lookup drafts from the first round on
 REPEATING = [1, 2, 3, 1, 2]
@@ -46,23 +48,72 @@ def test_greedy_matches_hf_generate(target, k):
     assert all(r.draft_calls == 0 for r in records)  # no model
 
 
-def sample_lookup(target, params, *, rule=None, draws=1500, length=2, k=3):
+# The distribution tests need drafts the target often accepts, or draft position K is proposed but hardly ever
+# judged (with `target` and REPEATING, position 3 was accepted in 4 of 1000 draws). A more peaked target and a
+# prompt found by search among repeats: "5 3" occurred at the start, so the first round drafts 3 3 3, and the
+# target accepts all three in ~30% (t1) / ~50% (t0.7-topk5) of the draws.
+PEAKED_PROMPT = [5, 3, 3, 3, 3, 10, 5, 3]
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return tiny_llama(seed=0, layers=2, sharpen=8.0, initializer_range=0.1).requires_grad_(False)
+
+
+class ResampleFromPFrom(ExactRule):
+    """Deliberately broken from draft position `position` on: a rejection there resamples from p instead of p
+    with the rejected draft removed (earlier positions are right). Invisible unless position `position` is drafted."""
+
+    exact = False
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)
+        accept_probs = (px / qx).clamp(max=1.0)
+        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
+        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=n + 1 < self.position), accept_probs)
+
+
+def sample_and_fit_lookup(target, prompt, params, *, k, draws, rule=None, seed=0):
+    """helpers.sample_and_fit from `prompt` (a repeat, so lookup drafts): draws of K+1 tokens, their first K+1
+    tested position by position (Bonferroni over the positions); also the Stats of every round."""
+    stats = Stats()
     controls = Controls(LookupDrafter(), k=k, sampling=params, **({"rule": rule} if rule else {}))
-    g = torch.Generator().manual_seed(0)
-    return sample_continuations(TargetState(target), REPEATING, controls, draws=draws, length=length, eos_ids=set(), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    counts = sample_continuations(TargetState(target), prompt, controls, draws=draws, length=k + 1, eos_ids=set(),
+                                  generator=g, stats=stats)
+    positions, _, _ = conditional_tests(counts, TargetConditionals(target, prompt, params), k + 1)
+    return PositionFit(positions, min(1.0, (k + 1) * min(p["combined_p"] for p in positions))), stats
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5)], ids=["t1", "t0.7-topk5"])
-def test_sampled_output_matches_target_distribution(target, params):
-    result = goodness_of_fit(sample_lookup(target, params, draws=1000), exact_joint(target, REPEATING, params, 2))
-    assert result.passed(ALPHA), result
+CASES = {"t1": SamplingParams(1.0), "t0.7-topk5": SamplingParams(0.7, top_k=5)}
 
 
-def test_distribution_test_catches_a_broken_rule_with_one_hot_q(target):
-    """Resampling from p (not p with the draft removed) after a rejected one-hot draft must fail."""
-    params = SamplingParams(1.0)
-    result = goodness_of_fit(sample_lookup(target, params, rule=ResampleFromP()), exact_joint(target, REPEATING, params, 2))
-    assert not result.passed(ALPHA), result
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("bug", [None, "resample from p at position 3"])
+def test_sampled_output_matches_target_distribution(peaked, record_property, case, bug):
+    """K=3 with draws of K+1 tokens: the first round drafts positions 1..3 and may earn the bonus. The control
+    (q is one-hot, so no wrong q: a wrong residual instead) is broken only at draft position 3 and must fail at
+    the same settings; measured p = 2.2e-21 (t1), 1.0e-26 (t0.7-topk5), all at position 3."""
+    rule = ResampleFromPFrom(3) if bug else None
+    fit, stats = sample_and_fit_lookup(peaked, PEAKED_PROMPT, CASES[case], k=3, draws=1000, rule=rule)
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    assert stats.num_accepted_tokens_per_pos[2] > 200  # draft 3 is judged, and often kept: not only proposed
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6 and fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
+
+
+def test_distribution_test_catches_a_broken_rule_with_one_hot_q(peaked, record_property):
+    """Resampling from p (not p with the draft removed) after any rejected one-hot draft must fail."""
+    fit, stats = sample_and_fit_lookup(peaked, PEAKED_PROMPT, CASES["t1"], k=3, draws=1000, rule=ResampleFromP())
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    assert fit.p_value < 1e-6, fit
 
 
 @pytest.mark.slow

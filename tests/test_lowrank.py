@@ -9,8 +9,7 @@ from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters import lowrank
 from specchat.session import drafter_options
 from specchat.store import save_tuned
-from specchat.verify import goodness_of_fit
-from helpers import ALPHA, PROMPT, SAMPLING_CASES, exact_joint, run, sample_joint
+from helpers import ALPHA, SAMPLING_CASES, ReportsWrongQ, ResampleFromP, assert_drafted_up_to, run, sample_and_fit
 
 
 @pytest.fixture(autouse=True)
@@ -96,13 +95,44 @@ def test_full_rank_is_unavailable(rough_target):
         build_drafter("lowrank", rough_target, rank=16)
 
 
-@pytest.mark.parametrize("case", ["t0.7-topk5"])
-def test_sampled_output_matches_target_distribution(rough_target, case):
-    params = SAMPLING_CASES[case]
-    drafter = build_drafter("lowrank", rough_target, rank=2, calibration=32)
-    counts = sample_joint(rough_target, drafter, params, k=3, draws=1000, length=2)
-    result = goodness_of_fit(counts, exact_joint(rough_target, PROMPT, params, 2))
-    assert result.passed(ALPHA), result
+# Each setting draws K+1 = 4 tokens per sample, so the first round drafts positions 1..3 and may earn the bonus,
+# and is tested position by position against the target's exact conditionals. On the rough target the rank-2
+# draft disagrees often (many residual draws: resampling from p shows); on the deep target it agrees ~99% of the
+# time (resampling from p hardly shows there, measured p = 1), so every round reaches draft position 3 and a q
+# wrong only from position 3 on shows. A low-rank draft costs a full forward per draft token: 600 draws.
+SETTINGS = {  # name: (target fixture, sampling case)
+    "rough, t0.7-topk5": ("rough_target", "t0.7-topk5"),
+    "deep, t0.7-topk5": ("deep_target", "t0.7-topk5"),
+}
+BUGS = {  # name: (wrap the drafter, rule)
+    "resample from p": (lambda d: d, ResampleFromP),
+    "q at the wrong temperature from position 3": (lambda d: ReportsWrongQ(d, position=3, factor=0.25), lambda: None),
+}
+
+
+@pytest.mark.parametrize("setting, bug", [
+    ("rough, t0.7-topk5", None),
+    ("rough, t0.7-topk5", "resample from p"),  # control; measured p = 9.0e-17
+    ("deep, t0.7-topk5", None),
+    ("deep, t0.7-topk5", "q at the wrong temperature from position 3"),  # control; measured p = 5.3e-17
+])
+def test_sampled_output_matches_target_distribution(request, record_property, setting, bug):
+    """K=3 with draws of K+1 tokens; each broken control must fail at the same settings as its exact run."""
+    fixture, case = SETTINGS[setting]
+    target = request.getfixturevalue(fixture)
+    drafter, rule = build_drafter("lowrank", target, rank=2, calibration=32), None
+    if bug:
+        wrap, make_rule = BUGS[bug]
+        drafter, rule = wrap(drafter), make_rule()
+    fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=600, rule=rule)
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6, fit
+        if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
+            assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
 
 
 @pytest.fixture(scope="module")

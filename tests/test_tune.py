@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from specchat.engine import SamplingParams
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.layers import Decoder
+from specchat.engine.metrics import Stats, predicted_speedup
 from specchat.tune.search import Costs, matches, reference, replay, tune_model
 from helpers import run
 
@@ -44,9 +45,41 @@ def test_tune_is_deterministic_for_a_seed(deep_target, mode):
     a = tune_model(deep_target, PROMPTS, mode, seed=3, budget=12, max_new_tokens=24, costs=COSTS)
     b = tune_model(deep_target, PROMPTS, mode, seed=3, budget=12, max_new_tokens=24, costs=COSTS)
     assert [(c.setting, c.k, c.predicted_speedup) for c in a.candidates] == [(c.setting, c.k, c.predicted_speedup) for c in b.candidates]
-    assert a.best == max(a.candidates, key=lambda c: c.predicted_speedup)
     if mode == "layerskip":
         assert len(a.candidates) <= 12
+    # The winner, checked against the real loop rather than against the list it was picked from (that the best is
+    # the maximum of a list sorted by that key holds by construction). The winner's setting and every setting of
+    # the search's first stage (earlyexit: each exit layer; layerskip: each single layer skipped), run greedily at
+    # every K in 1..8: none may predict more than the winner (so its K is the best for its setting too), and the
+    # winner's numbers must be what the loop measures at its setting and K, through the Costs model and the one
+    # speedup formula.
+    n = deep_target.config.num_hidden_layers
+    if mode == "layerskip":
+        settings = [{"skip_layers": [i]} for i in range(n)]
+        costs = lambda s, k: (COSTS.draft(n - len(s["skip_layers"])), COSTS.verify[k])
+    else:
+        settings = [{"exit_layer": e} for e in range(1, n)]
+        costs = lambda s, k: (COSTS.draft(s["exit_layer"]), COSTS.verify_shared(k, s["exit_layer"], n))
+
+    def measured(setting, k):
+        stats = Stats()
+        for prompt in PROMPTS:
+            _, records = run(deep_target, build_drafter(mode, deep_target, **setting), prompt, k=k,
+                             params=SamplingParams(0), max_new_tokens=24)
+            for r in records:
+                stats.add(r)
+        return stats, predicted_speedup(stats.acceptance_rate or 0.0, k, *costs(setting, k))
+
+    best = a.best
+    stats, speedup = measured(best.setting, best.k)
+    assert best.acceptance == pytest.approx(stats.acceptance_rate, abs=1e-12)
+    assert best.mean_accepted_length == pytest.approx(stats.new_tokens / stats.rounds, abs=1e-12)
+    assert (best.draft_cost, best.verify_cost) == pytest.approx(costs(best.setting, best.k))
+    assert best.predicted_speedup == pytest.approx(speedup, abs=1e-12)
+    assert all(s in [c.setting for c in a.candidates] for s in settings)
+    for setting in [best.setting, *settings]:
+        for k in range(1, 9):
+            assert measured(setting, k)[1] <= best.predicted_speedup + 1e-12, (setting, k, best)
 
 
 def test_tune_command_saves_the_default(tmp_path, monkeypatch):

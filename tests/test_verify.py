@@ -207,6 +207,50 @@ def test_two_sample_homogeneity_is_still_there(peaked_target, drafts):
 # ---------------------------------------------------------------- the command
 
 
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    """A tiny model directory with peaked next-token distributions (LM head x20), its own draft (acceptance ~1)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("sharp"), sharpen=20.0)
+
+
+def verify_cli(model, *extra):
+    from click.testing import CliRunner
+
+    from specchat.cli.main import main
+
+    args = ["verify", "--target", str(model), "--draft", str(model), "--seed", "0", "--dtype", "float32", *extra]
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+@pytest.fixture
+def broken_exact(monkeypatch):
+    """`--accept exact` gives a rule that claims to be exact but draws the bonus from p[K-1]: a silent bug."""
+    import specchat.engine.acceptance as acceptance
+
+    monkeypatch.setattr(acceptance, "parse_rule", lambda spec: BonusFromPreviousPosition())
+
+
+def test_cli_verify_passes_the_exact_rule(sharp_model):
+    import json
+
+    r = verify_cli(sharp_model, "--format", "json")
+    report = json.loads(r.stdout)
+    assert r.exit_code == 0 and report["verdict"] == "pass" and report["p_value"] >= report["alpha"], r.output
+    assert report["max_drafted"] == K and report["acceptance_rate"] > 0.9  # every round drafted and kept all K
+
+
+def test_cli_verify_reports_fail_and_exits_1_on_a_broken_rule(sharp_model, broken_exact):
+    import json
+
+    r = verify_cli(sharp_model, "--format", "json")
+    report = json.loads(r.stdout)
+    assert r.exit_code == 1 and report["verdict"] == "fail" and report["exact"] is True, r.output
+    assert report["p_value"] < 1e-6 and report["worst_position"] == K + 1 and report["max_drafted"] == K
+    r = verify_cli(sharp_model)
+    assert r.exit_code == 1 and "FAIL" in r.stdout and "PASS" not in r.stdout, r.output
+    assert f"the largest contribution is at token {K + 1}" in " ".join(r.stdout.split())  # rich wraps lines
+
+
 def test_cli_untested_exits_nonzero(tmp_path):
     import json
 

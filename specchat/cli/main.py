@@ -15,12 +15,13 @@ from specchat import __version__
 from specchat.cli.bench import bench
 from specchat.cli.generate import generate
 from specchat.cli.options import INTERRUPTED, BadOption, generation_options, load_session, model_options, prepare_process
+from specchat.cli.train_head import train_head
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
 
 
 class SpecchatGroup(click.Group):
-    """Ctrl+C anywhere (loading, generating, writing a report) ends with one line and exit status 130, not a
+    """Bad option values are one line. Ctrl+C anywhere (loading, generating, writing a report) ends with one line and exit status 130, not a
     traceback or click's `Aborted!`. A command that has something to show first (generate's partial summary)
     catches KeyboardInterrupt itself and exits with INTERRUPTED."""
 
@@ -30,6 +31,16 @@ class SpecchatGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("\nspecchat: interrupted", err=True)
             ctx.exit(INTERRUPTED)
+        except click.UsageError as e:
+            e.ctx = None  # a bad option value is one line ("Error: ..."), without click's usage banner
+            raise
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:  # the group's own options (the chat's)
+            e.ctx = None
+            raise
 
 
 def check_export_path(path: Path) -> None:
@@ -70,5 +81,5 @@ def main(ctx: click.Context, theme, export_path, **opts) -> None:
     run_chat(session, theme=theme, export_path=export_path)
 
 
-for command in (generate, verify, tune, bench):
+for command in (generate, verify, tune, bench, train_head):
     main.add_command(command)
