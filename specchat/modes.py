@@ -11,6 +11,7 @@ MODES: dict[str, str] = {
     "lowrank": "the target with truncated-SVD low-rank linear layers",
     "quant": "an int8 weight copy of the target",
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
+    "head": "a small draft head trained on the target's own features (specchat train-head)",
 }
 
 # the self-speculative modes whose setting `specchat tune` searches, and the drafter option each one takes

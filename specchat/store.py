@@ -144,3 +144,26 @@ class TensorStore:
     def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         with atomic_path(self.folder / f"{key}.safetensors") as tmp:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+
+
+# ---------------------------------------------------------------- draft heads (mode head, `specchat train-head`)
+
+SHIPPED_HEADS = Path(__file__).with_name("heads")  # package data: heads trained for the embedded default model
+
+
+def heads_dir() -> Path:
+    return cache_dir() / "heads"
+
+
+def find_head(fingerprint: str) -> Path | None:
+    """The draft head for the target with these weights: one the user trained (user cache) first, else a shipped one."""
+    mine = heads_dir() / f"{fingerprint}.safetensors"
+    if mine.is_file():
+        return mine
+    for meta in sorted(SHIPPED_HEADS.glob("*.json")):
+        try:
+            if json.loads(meta.read_text())["target"]["fingerprint"] == fingerprint and meta.with_suffix(".safetensors").is_file():
+                return meta.with_suffix(".safetensors")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None

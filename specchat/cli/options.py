@@ -169,6 +169,7 @@ def mode_setting_options(f):
         click.option("--skip-layers", metavar="LIST", help="layerskip: layers to skip, e.g. 3,5,7 (default: tuned or built-in)."),
         click.option("--exit-layer", type=click.IntRange(min=1), default=None, help="earlyexit: layers run by the draft pass."),
         click.option("--rank", metavar="R", default=None, help="lowrank: rank as a fraction (0.25) or an integer."),
+        click.option("--head", "head_file", metavar="FILE", default=None, help="head: a draft head's .safetensors (default: the one trained for this target, or the shipped one)."),
     ], f)
 
 
@@ -196,6 +197,13 @@ def mode_settings(opts: dict) -> dict:
             out["skip_layers"] = [int(x) for x in opts["skip_layers"].split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
+    if opts.get("head_file"):
+        from pathlib import Path
+
+        path = Path(opts["head_file"]).expanduser()
+        if not path.with_suffix(".safetensors").is_file():
+            raise UserError(f"--head {opts['head_file']}: no such file")
+        out["head_file"] = path
     if opts.get("exit_layer") is not None:
         out["exit_layer"] = opts["exit_layer"]
     if opts.get("rank") is not None:

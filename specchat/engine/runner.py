@@ -151,6 +151,7 @@ class Runner:
         self.n_kv_heads = config.num_key_value_heads
         self.n_rep = self.n_heads // self.n_kv_heads
         self.scale = attn0.scaling
+        self.shape = Shape(self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
         self.blocks = [self._block(layer) for layer in inner.layers]
         self.n_layers = len(self.blocks)
@@ -242,31 +243,51 @@ class Runner:
 
     # ------------------------------------------------------------ one layer
     def layer(self, i, h, cache, past, cos, sin, mask) -> torch.Tensor:
-        b = self.blocks[i]
-        _, S, _ = h.shape  # [1, S, D]
-        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        x = rms_norm(h, b.ln1, b.eps)
-        qkv = F.linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
-        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [1, S, H + H_kv, hd], [1, S, H_kv, hd]
-        if b.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
-            qk = torch.cat([rms_norm(qk[:, :, :H], b.q_norm, b.qk_eps), rms_norm(qk[:, :, H:], b.k_norm, b.qk_eps)], dim=2)
-        qk = rotate(qk, cos, sin)  # q and k heads in one go: they share cos/sin
-        q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [1, S, H, hd], [1, H_kv, S, hd] x 2
-        if cache is not None:
-            k, v = cache.write(i, k, v, past)  # [1, H_kv, past + S, hd]
-        q = q.transpose(1, 2)  # [1, H, S, hd]
-        if S == 1 or (mask is not None and self.n_rep > 1):
-            # GQA packed: the n_rep query heads sharing a KV head become rows of one query block
-            out = F.scaled_dot_product_attention(q.reshape(1, Hkv, self.n_rep * S, hd), k, v, attn_mask=mask, scale=self.scale)
-        elif mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        else:  # a chunk with no past: plain causal
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_rep > 1)
-        out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
-        h = h + F.linear(out, b.o_w, b.o_b)
-        x = rms_norm(h, b.ln2, b.eps)
-        gate, up = F.linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
-        return h + F.linear(b.act(gate) * up, b.down_w, b.down_b)
+        return decoder_layer(self.blocks[i], self.shape, h, cache, i, past, cos, sin, mask)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention shape constants of a decoder layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torch.Tensor:
+    """One pre-norm decoder layer, [1, S, D] -> [1, S, D], writing its K/V as layer i of `cache` (None: no cache,
+    plain causal attention). Differentiable outside inference mode: the draft head (drafters/head.py) trains
+    through it."""
+    _, S, _ = h.shape  # [1, S, D]
+    H, Hkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
+    x = rms_norm(h, b.ln1, b.eps)
+    qkv = F.linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
+    qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [1, S, H + H_kv, hd], [1, S, H_kv, hd]
+    if b.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
+        qk = torch.cat([rms_norm(qk[:, :, :H], b.q_norm, b.qk_eps), rms_norm(qk[:, :, H:], b.k_norm, b.qk_eps)], dim=2)
+    qk = rotate(qk, cos, sin)  # q and k heads in one go: they share cos/sin
+    q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [1, S, H, hd], [1, H_kv, S, hd] x 2
+    if cache is not None:
+        k, v = cache.write(i, k, v, past)  # [1, H_kv, past + S, hd]
+    q = q.transpose(1, 2)  # [1, H, S, hd]
+    if S == 1 or (mask is not None and s.n_rep > 1):
+        # GQA packed: the n_rep query heads sharing a KV head become rows of one query block
+        out = F.scaled_dot_product_attention(q.reshape(1, Hkv, s.n_rep * S, hd), k, v, attn_mask=mask, scale=s.scale)
+    elif mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scale)
+    else:  # a chunk with no past: plain causal
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale, enable_gqa=s.n_rep > 1)
+    out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
+    h = h + F.linear(out, b.o_w, b.o_b)
+    x = rms_norm(h, b.ln2, b.eps)
+    gate, up = F.linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
+    return h + F.linear(b.act(gate) * up, b.down_w, b.down_b)
 
 
 def lean_runner(model) -> Runner | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
+from specchat.engine.cache import CHUNK, common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.runner import Runner, lean_runner
 
 
@@ -23,6 +23,10 @@ class TargetState:
     `runner` says which forward runs the target: "lean" (engine/runner.py, for the Llama, Qwen2, Qwen3
     and Mistral families) or "hf" (the model's own forward, every other model). `lean` is the Runner
     (None on the HF path); self-speculative drafters that share `cache` run its per-layer entry points.
+
+    On the lean path every forward also keeps the last layer's output (before the final norm) of each
+    position it fed: `features[:known]` [known, D], the target's own features that the draft head
+    (drafters/head.py) drafts from, at no extra target pass.
     """
 
     def __init__(self, model, runner: str = "auto") -> None:
@@ -36,6 +40,8 @@ class TargetState:
         self.cache = self.lean.new_cache() if self.lean is not None else new_cache(model)
         self.tokens: list[int] = []
         self.head: torch.Tensor | None = None  # [1, V]: logits of tokens[-1] when the cache holds it too
+        self.features: torch.Tensor | None = None  # [capacity, D], grown CHUNK rows at a time (lean path only)
+        self.known = 0  # features[:known] are the target's for tokens[:known]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_len: int | None = getattr(model.config, "max_position_embeddings", None)
 
@@ -50,10 +56,30 @@ class TargetState:
 
     def forward(self, ids: list[int], past: int, keep: int) -> torch.Tensor:
         """Feed `ids` at positions past.. (anything cached beyond `past` is dropped first); logits [keep, V]."""
-        crop_to(self.cache, past)
+        self._crop(past)
         if self.lean is not None:
-            return self.lean.step(ids, self.cache, past, keep)
+            hidden = self.lean.run(self.lean.embed(ids), range(self.lean.n_layers), self.cache, past)  # [1, S, D]
+            self.record(hidden, past)
+            return self.lean.logits(hidden[:, -keep:])
         return forward_logits(self.model, self.cache, ids, keep=keep)
+
+    def record(self, hidden: torch.Tensor, past: int) -> None:
+        """Keep the last layer's output [1, S, D] for positions past..past+S-1 (a forward that computed it itself,
+        like earlyexit's verify, calls this too). Positions beyond are dropped: they belonged to other tokens."""
+        if past > self.known:  # a gap: those positions were computed without features (the HF path)
+            return
+        end = past + hidden.shape[1]
+        if self.features is None or self.features.shape[0] < end:
+            grown = torch.empty(-(-end // CHUNK) * CHUNK, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            if self.features is not None:
+                grown[:past] = self.features[:past]
+            self.features = grown
+        self.features[past:end] = hidden[0]
+        self.known = end
+
+    def _crop(self, length: int) -> None:
+        crop_to(self.cache, length)
+        self.known = min(self.known, length)
 
     def start(self, tokens: list[int]) -> int:
         """Make the state cover `tokens` with one forward, reusing the cached common prefix; returns
@@ -64,7 +90,7 @@ class TargetState:
         keep = max(min(common_prefix(self.tokens, tokens), len(tokens) - 1, self.past), 0)
         self.tokens = list(tokens)
         self.head = None
-        crop_to(self.cache, keep)
+        self._crop(keep)
         if keep >= len(tokens) - 1:  # all cached but the last token: leave it pending, the first verify feeds it
             return 0
         self.head = self.forward(self.tokens[keep:], keep, keep=1)  # [1, V]
@@ -82,9 +108,9 @@ class TargetState:
         """Back to the between-rounds invariant (the cache holds tokens[:-1]), dropping `head`: for a
         drafter that feeds the pending token itself (earlyexit)."""
         self.head = None
-        crop_to(self.cache, max(len(self.tokens) - 1, 0))
+        self._crop(max(len(self.tokens) - 1, 0))
 
     def commit(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
         self.head = None
-        crop_to(self.cache, len(self.tokens) - 1)
+        self._crop(len(self.tokens) - 1)

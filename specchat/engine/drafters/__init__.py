@@ -3,6 +3,7 @@ modes' names and descriptions, torch-free, are specchat.modes.MODES (same order)
 
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter
+from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.layerskip import LayerSkipDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.lowrank import LowRankDrafter
@@ -19,6 +20,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "lowrank": LowRankDrafter,
     "quant": QuantDrafter,
     "lookup": LookupDrafter,
+    "head": HeadDrafter,
 }
 
 

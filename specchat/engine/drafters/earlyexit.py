@@ -103,4 +103,5 @@ class EarlyExitDrafter(Drafter):
             crop_to(state.cache, past)
             hidden = dec.run(dec.embed([state.tokens[-1], *draft_ids]), range(E), state.cache, past)
         hidden = dec.run(hidden, range(E, n), state.cache, past)  # [1, K+1, D]
+        state.record(hidden, past)  # the target's features, for the draft head
         return dec.logits(hidden)  # [K+1, V]
