@@ -163,8 +163,8 @@ def test_one_forward_prefill():
     model = tiny("llama", tie=False)
     state = TargetState(model)
     fed = []
-    step = state.lean.step
-    state.lean.step = lambda ids, cache, past, keep: fed.append(len(ids)) or step(ids, cache, past, keep)
+    run = state.lean.run
+    state.lean.run = lambda hidden, layers, cache, past: fed.append(hidden.shape[1]) or run(hidden, layers, cache, past)
     prompt = [5, 6, 7, 8, 9]
     assert state.start(prompt) == 5 and fed == [5] and state.past == 5
     torch.testing.assert_close(state.verify([]), hf_logits(model, prompt, 1), rtol=1e-5, atol=1e-5)

@@ -69,7 +69,8 @@ async def test_escape_stops_a_real_generation_and_the_conversation_goes_on(tiny)
         assert app.query_one(ReplyView).text == turn.reply and "stopped" in app.query_one(ReplyView).status
         assert turn.stats.summary() == Stats.of(turn.rounds).summary()
         assert sum(s.rounds for s in session.stats.values()) == len(turn.rounds) == app.snapshot.reply.rounds
-        assert turn.rounds[0].mode == "off" and app.snapshot.baseline is not None  # the in-band plain round
+        # the in-band plain round comes right after round 0 (whose token came with the prefill)
+        assert turn.rounds[1].mode == "off" and app.snapshot.baseline is not None
         assert session.state.tokens[-len(turn.reply_ids):] == turn.reply_ids
 
         session.max_new_tokens, session.pause_s = 12, 0.0

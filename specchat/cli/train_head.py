@@ -43,10 +43,14 @@ def train_head(data_file, minutes, steps, vocab, seed, out, **opts):
     from rich.progress import Progress as Bar
 
     from specchat import store
-    from specchat.train.head import Recipe, TrainError, train_head as run
+    from specchat.train.head import Recipe, TrainError, read_prompts, train_head as run
 
     if data_file is not None and not Path(data_file).expanduser().is_file():
         raise BadOption(f"--data {data_file}: no such file")
+    try:
+        read_prompts(data_file)  # a malformed file fails now, in one line, not after the model loaded
+    except TrainError as e:
+        raise BadOption(str(e)) from None
     console = Console(stderr=True)
     opts.update(draft=None, mode="off", draft_len=4, temperature=0.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=16,
                 skip_layers=None, exit_layer=None, rank=None, adaptive=False, accept_rule="exact")
