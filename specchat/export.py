@@ -1,6 +1,7 @@
-"""Session export: JSON (configuration, every turn, round and token, per-mode summaries) and CSV (one row per round).
+"""Session export: JSON (configuration, every turn, round and token, per-mode summaries), CSV (one row per round)
+and the conversation as Markdown (to read or share).
 
-Both files are written atomically (store.write_atomic), so an export interrupted by a crash never leaves
+The files are written atomically (store.write_atomic), so an export interrupted by a crash never leaves
 a half-written file where a good one was. Without a path they go to the user data folder (store.exports_dir).
 """
 
@@ -135,12 +136,37 @@ def _finite(obj):
     return obj
 
 
+def markdown_path(json_path: Path) -> Path:
+    """The Markdown export sits beside the JSON with the same stem."""
+    return Path(json_path).with_suffix(".md")
+
+
+def conversation_markdown(session, data: dict) -> str:
+    """The conversation as Markdown: the settings on one line, the system message, then each message.
+
+    From the session's messages, so a resumed conversation (--continue) is exported whole; replies are
+    kept as the model wrote them (they are usually Markdown already)."""
+    config, temperature = data["config"], data["config"]["sampling"]["temperature"]
+    draft = f" + {config['draft']}" if config["draft"] else ""
+    sampling = "greedy" if temperature == 0 else f"T={temperature:g}"
+    lines = [f"# specchat conversation, {data['created']}", "",
+             f"*{config['target']}{draft} · mode {config['mode']} · K={config['draft_len']} · {sampling}*", ""]
+    titles = {"system": "System", "user": "User", "assistant": "Assistant"}
+    with session.lock:
+        messages = list(session.messages)
+    for message in messages:
+        lines += [f"## {titles.get(message['role'], message['role'].title())}", "", message["content"].strip(), ""]
+    return "\n".join(lines)
+
+
 def write_export(session, path: Path) -> tuple[Path, Path]:
-    """Write the session as JSON and CSV; returns both paths."""
+    """Write the session as JSON and CSV, and the conversation as Markdown beside them (markdown_path);
+    returns the JSON and CSV paths."""
     data = session_data(session)
     json_path, csv_path = export_paths(path)
     write_atomic(json_path, json.dumps(_finite(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n")
     write_atomic(csv_path, rounds_csv(data))
+    write_atomic(markdown_path(json_path), conversation_markdown(session, data))
     return json_path, csv_path
 
 

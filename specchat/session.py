@@ -193,6 +193,26 @@ class Session:
         same = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
         return ids if same else None
 
+    @property
+    def system(self) -> str | None:
+        """The system message that opens the conversation, if any."""
+        first = self.messages[0] if self.messages else None
+        return first["content"] if first and first["role"] == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        """Put `text` (None or "": none) at the start of the conversation. It changes the prompt's prefix, so the
+        next turn re-tokenises the conversation and the cache is reused only up to the first changed token."""
+        with self.lock:
+            rest = self.messages[1:] if self.system is not None else self.messages
+            self.messages = ([{"role": "system", "content": text}] if text else []) + list(rest)
+            self._history = None
+
+    def restore(self, messages: list[dict]) -> None:
+        """Continue a saved conversation: its messages are the prefix of the next turn (encoded then, in full)."""
+        with self.lock:
+            self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            self._history = None
+
     def check_fits(self, prompt: list[int]) -> None:
         limit = self.state.context_len
         if limit is not None and len(prompt) >= limit:

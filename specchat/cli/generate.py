@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from specchat.cli.options import INTERRUPTED, UserError, config_summary, generation_options, load_session, model_options, user_errors
+from specchat.cli.options import (INTERRUPTED, UserError, config_summary, generation_options, load_session, model_options,
+                                  system_option, user_errors)
 from specchat.fmt import num
 
 KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
@@ -25,14 +26,17 @@ KIND_LEGEND = {
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @model_options
 @generation_options
+@system_option
 def generate(prompt, raw, fmt, **opts):
     """Generate one reply headlessly, colour-coded by how each token was produced."""
     if not prompt.strip():
         raise UserError("the prompt is empty")
+    if raw and opts.get("system"):
+        raise UserError("--system needs the chat template: leave out --raw")
     session = load_session(opts, quiet=fmt == "json")
     interrupted = False
     with user_errors():
-        ids = session.raw_prompt(prompt) if raw else session.chat_prompt([{"role": "user", "content": prompt}])
+        ids = session.raw_prompt(prompt) if raw else session.chat_prompt([*session.messages, {"role": "user", "content": prompt}])
         rounds = session.complete(ids)
         try:
             if fmt == "json":

@@ -14,7 +14,9 @@ import click
 from specchat import __version__
 from specchat.cli.bench import bench
 from specchat.cli.generate import generate
-from specchat.cli.options import INTERRUPTED, BadOption, generation_options, load_session, model_options, prepare_process
+from specchat.cli.history import history
+from specchat.cli.options import (INTERRUPTED, BadOption, UserError, generation_options, load_session, model_options,
+                                  prepare_process, system_option)
 from specchat.cli.train_head import train_head
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
@@ -64,22 +66,45 @@ def check_export_path(path: Path) -> None:
 @click.version_option(__version__, prog_name="specchat")
 @model_options
 @generation_options
+@system_option
+@click.option("--continue", "resume", is_flag=True, help="Resume the latest saved conversation (see `specchat history`).")
 @click.option("--theme", default=None, help="Theme name (dark, light, colorblind, or a file in the user theme folder).")
-@click.option("--export", "export_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the session statistics here on exit (.json; a .csv of rounds beside it).")
+@click.option("--export", "export_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the session statistics here on exit (.json; a .csv of rounds and a .md of the conversation beside it).")
 @click.pass_context
-def main(ctx: click.Context, theme, export_path, **opts) -> None:
-    """Chat with a local model and watch speculative decoding work, token by token."""
+def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
+    """Chat with a local model and watch speculative decoding work, token by token.
+
+    Every finished turn is saved in the user data folder (`specchat history` lists them)."""
     prepare_process()
     if ctx.invoked_subcommand is not None:
         return
     if export_path is not None:
         check_export_path(export_path)
+    conversation = resume_latest() if resume else None  # before the models load: a missing one fails fast
     session = load_session(opts)
 
+    from specchat.history import ConversationLog
     from specchat.tui.app import run_chat
 
-    run_chat(session, theme=theme, export_path=export_path)
+    if conversation is not None:  # --system replaces the saved system message
+        session.restore(conversation.messages)
+        if opts.get("system"):
+            session.set_system(opts["system"])
+    run_chat(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
 
 
-for command in (generate, verify, tune, bench, train_head):
+def resume_latest():
+    """--continue: the latest saved conversation, or one line saying there is none."""
+    from specchat.history import ConversationLog, conversations_dir, latest
+
+    path = latest()
+    if path is None:
+        raise UserError(f"--continue: no saved conversation in {conversations_dir()}")
+    try:
+        return ConversationLog.open(path)
+    except ValueError as e:
+        raise UserError(f"--continue: {e}") from None
+
+
+for command in (generate, verify, tune, bench, train_head, history):
     main.add_command(command)

@@ -189,6 +189,11 @@ def generation_options(f):
     ], f)
 
 
+def system_option(f):
+    """--system, for the commands that use the chat template (the chat, generate)."""
+    return click.option("--system", metavar="TEXT", default=None, help="A system message at the start of the conversation.")(f)
+
+
 def mode_settings(opts: dict) -> dict:
     """--skip-layers/--exit-layer/--rank as the options a drafter's `build` reads."""
     out = {}
@@ -266,6 +271,8 @@ def load_session(opts: dict, *, quiet: bool = False):
             mode_options=settings,
         )
     session.controls.rule = rule
+    if opts.get("system"):
+        session.set_system(opts["system"])
     if opts["adaptive"]:
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7 (measured: benchmarks/RESULTS.md)

@@ -24,15 +24,18 @@ from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
 from specchat.engine.drafters import ModeUnavailable
-from specchat.export import default_export_path, save_export, write_export
+from specchat.export import default_export_path, markdown_path, save_export, write_export
+from specchat.history import ConversationLog
 from specchat.modes import MODES
 from specchat.session import PromptTooLong, Session
 from specchat.tui.help import HelpScreen
-from specchat.tui.keys import ACTION_KEYS, key_label, mode_keys
+from specchat.tui.keys import ACTION_KEYS, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
 from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
+from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
-from specchat.tui.widgets import MODE_KEYS, Conversation, Inspector, Legend, ReplyView, StatsPanel, UserView
+from specchat.tui.widgets import (MODE_KEYS, Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StatsPanel,
+                                  UserView)
 
 # While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
 # GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
@@ -51,7 +54,7 @@ class SpecChatApp(App):
     # 80 columns), every other action on F1, Esc or a ctrl key
     BINDINGS = [
         *(Binding(key, f"mode('{mode}')", mode, show=False, id=f"mode.{mode}") for mode, key in mode_keys(MODES).items()),
-        *(Binding(keys, action, label, id=f"app.{action}", show=action != "quit", priority=action == "quit")
+        *(Binding(keys, action, label, id=f"app.{action}", show=action not in NOT_IN_FOOTER, priority=action == "quit")
           for action, (keys, label, _) in ACTION_KEYS.items()),
     ]
     # below 100 columns the chat and the panel do not fit side by side: ctrl+t switches between them
@@ -62,6 +65,7 @@ class SpecChatApp(App):
     generating = var(False, init=False, bindings=True)
     show_rejected = var(False, init=False)  # ctrl+r: rejected drafts inline
     panel_toggled = var(False, init=False)  # ctrl+t: wide terminals hide the panel, narrow ones show it instead of the chat
+    show_markdown = var(False, init=False)  # ctrl+o: finished replies as Markdown instead of coloured tokens
 
     def __init__(
         self,
@@ -70,9 +74,11 @@ class SpecChatApp(App):
         theme: str | None = None,
         export_path: Path | None = None,
         theme_dirs: list[Path] | None = None,
+        conversation: ConversationLog | None = None,
     ) -> None:
         super().__init__()
         self.session = session
+        self.conversation = conversation  # where every finished turn is saved (run_chat always gives one)
         self.export_path = Path(export_path) if export_path else None
         self.reply_view: ReplyView | None = None
         self.snapshot = session.snapshot()  # what the panel shows: the latest from RoundDone, or taken after a change
@@ -127,6 +133,7 @@ class SpecChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.show_earlier_messages()
         self.query_one(Conversation).anchor()
         self.query_one(Inspector).show_token(None, self.session.token_text)
         self.refresh_panel()
@@ -263,7 +270,19 @@ class SpecChatApp(App):
         except Exception as e:  # a failed reply must not take the app (and the conversation) down
             logging.getLogger("specchat").error("generation failed:\n%s", traceback.format_exc())
             error = f"Generation failed: {type(e).__name__}: {e} (details in the log, F12)"
-        self.post_message(ReplyFinished(worker.is_cancelled, error))
+        self.post_message(ReplyFinished(worker.is_cancelled, error, self.save_conversation()))
+
+    def save_conversation(self) -> str | None:
+        """Save the conversation after a turn (finished, stopped or failed), from the decoder's thread, before
+        the UI hears of it: a crash or a kill afterwards cannot lose the turn. Returns why saving failed."""
+        if self.conversation is None:
+            return None
+        try:
+            self.conversation.save(self.session)
+        except Exception as e:  # a full disk must not end the chat
+            logging.getLogger("specchat").error("saving the conversation failed:\n%s", traceback.format_exc())
+            return f"The conversation could not be saved to {self.conversation.path}: {e}"
+        return None
 
     def on_round_done(self, message: RoundDone) -> None:
         record = message.record
@@ -296,6 +315,10 @@ class SpecChatApp(App):
                 self.reply_view.status = f"stopped at {turn.stop_reason.replace('_', ' ')}"
         if message.error:
             self.warn(message.error, "error")
+        if message.save_error:
+            self.warn(message.save_error, "error")
+        if self.show_markdown and self.reply_view is not None:
+            self.show_as_markdown(self.reply_view, True)
         self.refresh_panel()
         self.send_queued()
 
@@ -400,6 +423,65 @@ class SpecChatApp(App):
     def action_set_theme(self, name: str) -> None:
         self.theme = name
 
+    # ------------------------------------------------------------------ conversation: earlier turns, system prompt, copy, Markdown
+    def show_earlier_messages(self) -> None:
+        """A resumed conversation (--continue) shows its earlier turns; their token kinds were not saved."""
+        shown = [UserView(m["content"]) if m["role"] == "user" else SavedReply(m["content"])
+                 for m in self.session.messages if m["role"] in ("user", "assistant")]
+        if shown:
+            self.query_one(Conversation).mount_all(shown)
+            turns = sum(isinstance(w, UserView) for w in shown)
+            self.notify(f"Continuing a conversation of {turns} turn{'s' if turns != 1 else ''}.", timeout=4)
+
+    def action_edit_system(self) -> None:
+        self.push_screen(SystemPromptScreen(self.session.system), self.set_system_prompt)
+
+    def set_system_prompt(self, text: str | None) -> None:
+        """None: the dialog was cancelled. A change re-encodes the conversation at the next turn: say so."""
+        if text is None or text == (self.session.system or ""):
+            return
+        self.session.set_system(text or None)
+        what = "System prompt set" if text else "System prompt removed"
+        again = "; the next turn re-encodes the conversation (its prefix changed)" if self.session.turns else ""
+        self.log_line(f"system prompt: {text!r}")
+        self.notify(f"{what}{again}.", timeout=5)
+
+    def reply_to_copy(self) -> str | None:
+        """The reply whose token is selected (inspector), else the last finished reply."""
+        selection = self.query_one(Conversation).selection
+        if selection is not None:
+            return selection[0].text
+        replies = [m["content"] for m in self.session.messages if m["role"] == "assistant"]
+        return replies[-1] if replies else None
+
+    def action_copy_reply(self) -> None:
+        text = self.reply_to_copy()
+        if not text:
+            self.notify("No reply to copy yet.", severity="information", timeout=3)
+            return
+        self.copy_to_clipboard(text)
+        self.notify(f"Copied the reply ({len(text)} characters) to the clipboard.", timeout=3)
+
+    def action_toggle_markdown(self) -> None:
+        self.show_markdown = not self.show_markdown
+        self.notify("Finished replies as Markdown" if self.show_markdown else "Replies as coloured tokens", timeout=2)
+
+    def watch_show_markdown(self, on: bool) -> None:
+        streaming = self.reply_view if self.generating else None
+        for reply in [*self.query(ReplyView), *self.query(SavedReply)]:
+            if reply is not streaming:  # a streaming reply keeps its tokens; it turns to Markdown when it ends
+                self.show_as_markdown(reply, on)
+
+    def show_as_markdown(self, reply: ReplyView | SavedReply, on: bool) -> None:
+        """Swap a reply and its Markdown twin (made the first time); the token view stays, hidden, one key away."""
+        twin = next((m for m in self.query(MarkdownReply) if m.reply is reply), None)
+        if on and twin is None:
+            twin = MarkdownReply(reply)
+            self.query_one(Conversation).mount(twin, after=reply)
+        if twin is not None:
+            twin.display = on
+        reply.display = not on
+
     # ------------------------------------------------------------------ export
     def action_export(self) -> None:
         path = self.export_path or default_export_path()
@@ -408,8 +490,9 @@ class SpecChatApp(App):
         except OSError as e:
             self.warn(f"Export failed: {e}", "error")
             return
-        self.log_line(f"exported {json_path} and {csv_path}")
-        self.notify(f"Exported {json_path.name} and {csv_path.name} to {json_path.parent}", timeout=5)
+        md_path = markdown_path(json_path)
+        self.log_line(f"exported {json_path}, {csv_path} and {md_path}")
+        self.notify(f"Exported {json_path.name}, {csv_path.name} and {md_path.name} to {json_path.parent}", timeout=5)
 
     # ------------------------------------------------------------------ inspector
     def on_conversation_token_selected(self, message: Conversation.TokenSelected) -> None:
@@ -428,7 +511,14 @@ class SpecChatApp(App):
         yield SystemCommand(f"Keys ({key('help')})", "Every key and command", self.action_help)
         yield SystemCommand(f"Stop reply ({key('stop')})", "Stop the streaming reply; keep what was generated",
                             self.action_stop)
-        yield SystemCommand(f"Export session ({key('export')})", "Write the session as JSON and CSV", self.action_export)
+        yield SystemCommand(f"Export session ({key('export')})", "Write the session as JSON, CSV and Markdown", self.action_export)
+        yield SystemCommand(f"Copy reply ({key('copy_reply')})", "Copy the selected reply, else the last one, to the clipboard",
+                            self.action_copy_reply)
+        yield SystemCommand(f"Toggle Markdown ({key('toggle_markdown')})",
+                            "Show finished replies as Markdown, or as coloured tokens", self.action_toggle_markdown)
+        system = self.session.system
+        yield SystemCommand("System prompt", f"Edit it (now: {system!r})" if system else "Set a system message (none now)",
+                            self.action_edit_system)
         yield SystemCommand(f"Toggle rejected drafts ({key('toggle_rejected')})",
                             "Show or hide draft tokens the target rejected", self.action_toggle_rejected)
         yield SystemCommand(f"Toggle panel ({key('toggle_panel')})",
@@ -447,9 +537,11 @@ class SpecChatApp(App):
         yield from super().get_system_commands(screen)
 
 
-def run_chat(session: Session, *, theme: str | None = None, export_path: Path | None = None) -> None:
-    """Run the chat app on a loaded session; on exit (also after a crash) write the export if asked."""
-    app = SpecChatApp(session, theme=theme, export_path=export_path)
+def run_chat(session: Session, *, theme: str | None = None, export_path: Path | None = None,
+             conversation: ConversationLog | None = None) -> None:
+    """Run the chat app on a loaded session, saving every turn (in a new conversation file unless one is given);
+    on exit (also after a crash) write the export if asked."""
+    app = SpecChatApp(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
     try:
         app.run()
     finally:

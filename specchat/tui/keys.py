@@ -15,12 +15,17 @@ MAX_MODES = 9  # F2..F10
 ACTION_KEYS: dict[str, tuple[str, str, str]] = {
     "help": ("f1", "help", "this list of keys"),
     "stop": ("escape", "stop", "stop the streaming reply (queued messages are kept)"),
-    "export": ("ctrl+s", "export", "export the session as JSON and CSV"),
+    "export": ("ctrl+s", "export", "export the session as JSON, CSV and Markdown"),
     "toggle_rejected": ("ctrl+r", "rejected", "show / hide the drafts the target rejected"),
     "toggle_panel": ("ctrl+t", "panel", "show / hide the statistics panel (narrow terminals: switch chat and panel)"),
     "show_log": ("ctrl+l,f12", "log", "the log: warnings and messages from the models"),
+    "copy_reply": ("ctrl+y", "copy", "copy the selected reply, else the last one"),
+    "toggle_markdown": ("ctrl+o", "markdown", "show finished replies as Markdown / as coloured tokens"),
     "quit": ("ctrl+q", "quit", "quit"),
 }
+
+# in the help and the palette but not the footer, which must fit 80 columns
+NOT_IN_FOOTER = {"quit", "copy_reply", "toggle_markdown"}
 
 # keys Textual itself binds on the app, the screen or the message input
 TEXTUAL_KEYS = ("ctrl+c", "ctrl+p", "tab", "shift+tab", "ctrl+a", "ctrl+e", "ctrl+d", "ctrl+w", "ctrl+u", "ctrl+k",

@@ -22,9 +22,11 @@ class RoundDone(Message):
 
 
 class ReplyFinished(Message):
-    def __init__(self, stopped: bool, error: str | None = None) -> None:
+    """The reply ended (finished, stopped or failed) and the conversation was saved, or `save_error` says why not."""
+
+    def __init__(self, stopped: bool, error: str | None = None, save_error: str | None = None) -> None:
         super().__init__()
-        self.stopped, self.error = stopped, error
+        self.stopped, self.error, self.save_error = stopped, error, save_error
 
 
 class ModeReady(Message):

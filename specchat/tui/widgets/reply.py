@@ -10,6 +10,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.style import Style
 from textual.widget import Widget
+from textual.widgets import Markdown
 
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.tui.widgets.tokens import KINDS, token_css
@@ -159,3 +160,30 @@ class UserView(Widget):
             return Content(self.text)
         style = Style.from_rich_style(self.get_component_rich_style("user--status", partial=True))
         return Content.assemble(self.text, (f"  [{note}]", style))
+
+
+class SavedReply(Widget):
+    """A reply from a saved conversation (--continue): only its text was saved, not how each token was made."""
+
+    DEFAULT_CSS = """
+    SavedReply { height: auto; padding: 0 1 1 1; color: $text-muted; }
+    """
+
+    def __init__(self, text: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+
+    def render(self) -> Content:
+        return Content(self.text or "…")
+
+
+class MarkdownReply(Markdown):
+    """A finished reply rendered as Markdown (code blocks highlighted), shown in place of its reply (ctrl+o)."""
+
+    DEFAULT_CSS = """
+    MarkdownReply { height: auto; margin: 0; padding: 0 1 1 1; background: transparent; }
+    """
+
+    def __init__(self, reply: Widget, **kwargs) -> None:
+        super().__init__(reply.text, **kwargs)
+        self.reply = reply
