@@ -69,6 +69,8 @@ class ConversationLog:
         self.earlier: list[dict] = list(data.get("turns", []))
         self.messages: list[dict] = list(data.get("messages", []))  # what a resumed session starts from
         self._finished: list[str] = []  # when each of this run's turns was first saved
+        # the session's turns before this one: a conversation opened mid-session (palette) saves only its own
+        self.first_turn = 0
 
     @classmethod
     def open(cls, path: Path) -> "ConversationLog":
@@ -83,7 +85,7 @@ class ConversationLog:
     def data(self, session) -> dict:
         """The whole file's content, read under the session's lock (a reply may be streaming)."""
         with session.lock:
-            turns = list(session.turns)
+            turns = list(session.turns[self.first_turn:])
             self._finished += [_now()] * (len(turns) - len(self._finished))
             records = [turn_record(session, t, when) for t, when in zip(turns, self._finished)]
             messages = [dict(m) for m in session.messages]

@@ -1,5 +1,5 @@
-"""Chat basics in the app (Pilot, FakeSession): every turn saved, a resumed conversation shown, the system prompt
-edited from the palette, the reply copied, the conversation exported as Markdown, replies shown as Markdown."""
+"""Chat basics in the app (Pilot, FakeSession): every turn saved, a resumed conversation shown, an earlier one opened
+from the palette, the system prompt edited from the palette, the reply copied, the conversation exported as Markdown, replies shown as Markdown."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import time
 
 import pytest
 from textual.command import CommandList
-from textual.widgets import Input
+from textual.widgets import Input, OptionList
 
 from helpers import REPLY, VOCAB, FakeSession
 from specchat.history import ConversationLog
 from specchat.tui.app import SpecChatApp
+from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.widgets import Conversation, MarkdownReply, ReplyView, SavedReply, UserView
 
@@ -113,6 +114,69 @@ async def test_a_resumed_conversation_shows_earlier_turns_and_continues_them(tmp
         assert [m["content"] for m in session.messages[:3]] == ["earlier question", REPLY_TEXT, "next question"]
     saved = json.loads(log.path.read_text())
     assert [t["user"] for t in saved["turns"]] == ["earlier question", "next question"]
+
+
+# ------------------------------------------------------------------ an earlier conversation from the palette
+
+
+def saved_conversation(question: str) -> ConversationLog:
+    session, log = FakeSession(), ConversationLog()  # in the data folder's conversations/, as the app saves them
+    list(session.reply(question))
+    log.save(session)
+    return log
+
+
+@pytest.mark.asyncio
+async def test_the_palette_lists_saved_conversations_newest_first_and_opens_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path / "data"))
+    older = saved_conversation("older question")
+    newer = saved_conversation("newer question")
+    session = FakeSession()
+    app = RecordingApp(session, conversation=ConversationLog())
+    async with app.run_test(size=SIZE) as pilot:
+        await chat(pilot, "current question")  # saved too: the newest, marked as the one open
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Open an earlier")
+        await wait_for(pilot, lambda: app.screen.query_one(CommandList).option_count > 0)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen))
+        options = app.screen.query_one(OptionList)
+        lines = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert len(lines) == 3 and "current question" in lines[0] and "(this one)" in lines[0]
+        assert "newer question" in lines[1] and "older question" in lines[2] and "1 turn " in lines[2]
+
+        options.highlighted = 2
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ConversationsScreen))
+        await pilot.pause()
+        shown = app.query_one(Conversation).children
+        assert [type(w) for w in shown] == [UserView, SavedReply]
+        assert shown[0].text == "older question" and shown[1].text == REPLY_TEXT
+        assert app.conversation.path == older.path
+
+        await chat(pilot, "follow-up")
+        assert [m["content"] for m in session.messages] == ["older question", REPLY_TEXT, "follow-up", REPLY_TEXT]
+    assert [t["user"] for t in json.loads(older.path.read_text())["turns"]] == ["older question", "follow-up"]
+    assert [t["user"] for t in json.loads(newer.path.read_text())["turns"]] == ["newer question"]
+    current = [p for p in older.path.parent.glob("*.json") if p not in (older.path, newer.path)]
+    assert [t["user"] for t in json.loads(current[0].read_text())["turns"]] == ["current question"]
+
+
+@pytest.mark.asyncio
+async def test_no_other_conversation_opens_while_a_reply_streams(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path / "data"))
+    saved_conversation("saved question")
+    session = FakeSession(gated=True)
+    app = RecordingApp(session, conversation=ConversationLog())
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "streaming")
+        await wait_for(pilot, lambda: app.generating)
+        app.action_open_conversation()
+        await pilot.pause()
+        assert not isinstance(app.screen, ConversationsScreen) and any("reply is streaming" in n for n in app.notices)
+        session.release(100)
+        await wait_for(pilot, lambda: not app.generating)
 
 
 # ------------------------------------------------------------------ system prompt

@@ -25,9 +25,10 @@ from textual.worker import get_current_worker
 
 from specchat.engine.drafters import ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
-from specchat.history import ConversationLog
+from specchat.history import ConversationLog, conversations, conversations_dir
 from specchat.modes import MODES
 from specchat.session import PromptTooLong, Session
+from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
 from specchat.tui.keys import ACTION_KEYS, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
@@ -425,13 +426,59 @@ class SpecChatApp(App):
 
     # ------------------------------------------------------------------ conversation: earlier turns, system prompt, copy, Markdown
     def show_earlier_messages(self) -> None:
-        """A resumed conversation (--continue) shows its earlier turns; their token kinds were not saved."""
+        """A resumed conversation (--continue, or opened from the palette) shows its earlier turns; their token
+        kinds were not saved."""
         shown = [UserView(m["content"]) if m["role"] == "user" else SavedReply(m["content"])
                  for m in self.session.messages if m["role"] in ("user", "assistant")]
         if shown:
             self.query_one(Conversation).mount_all(shown)
+            if self.show_markdown:
+                for reply in shown:
+                    if isinstance(reply, SavedReply):
+                        self.show_as_markdown(reply, True)
             turns = sum(isinstance(w, UserView) for w in shown)
             self.notify(f"Continuing a conversation of {turns} turn{'s' if turns != 1 else ''}.", timeout=4)
+
+    def action_open_conversation(self) -> None:
+        """Palette: list the saved conversations, newest first, to replace this one with the chosen one."""
+        if self.generating:
+            self.notify("A reply is streaming: stop it (Esc) or wait, then open another conversation.",
+                        severity="warning", timeout=4)
+            return
+        found = conversations()
+        if not found:
+            self.notify(f"No saved conversation in {conversations_dir()}.", severity="information", timeout=4)
+            return
+        current = self.conversation.path if self.conversation is not None else None
+        self.push_screen(ConversationsScreen(found, current), self.open_conversation)
+
+    async def open_conversation(self, path: Path | None) -> None:
+        """Replace the conversation: the session continues the chosen one's messages, the view shows its turns,
+        and the next turns are saved to its file. This one was saved after its last turn: nothing is lost."""
+        if path is None:
+            return
+        if self.generating:
+            self.notify("A reply is streaming: the conversation was not changed.", severity="warning", timeout=4)
+            return
+        if self.conversation is not None and path == self.conversation.path:
+            self.notify("That is the conversation already open.", timeout=3)
+            return
+        try:
+            log = ConversationLog.open(path)
+        except ValueError as e:
+            self.warn(str(e), "error")
+            return
+        log.first_turn = len(self.session.turns)  # the session's earlier turns belong to the previous conversation
+        self.session.restore(log.messages)
+        self.conversation = log
+        self.reply_view = None
+        conversation = self.query_one(Conversation)
+        conversation.selection = None
+        await conversation.remove_children()
+        self.show_earlier_messages()
+        conversation.anchor()
+        self.log_line(f"opened the conversation {path}")
+        self.refresh_panel()
 
     def action_edit_system(self) -> None:
         self.push_screen(SystemPromptScreen(self.session.system), self.set_system_prompt)
@@ -516,6 +563,8 @@ class SpecChatApp(App):
                             self.action_copy_reply)
         yield SystemCommand(f"Toggle Markdown ({key('toggle_markdown')})",
                             "Show finished replies as Markdown, or as coloured tokens", self.action_toggle_markdown)
+        yield SystemCommand("Open an earlier conversation…", "Continue a saved conversation (newest first) instead of this one",
+                            self.action_open_conversation)
         system = self.session.system
         yield SystemCommand("System prompt", f"Edit it (now: {system!r})" if system else "Set a system message (none now)",
                             self.action_edit_system)
