@@ -4,18 +4,20 @@
    prompts; or the user's JSONL): a greedy pass over every prompt, then sampled passes at temperature 0.8 for
    diversity, 128 prompts at a time through HF `generate`, whose final-norm input a hook records: the
    target's features f_t for every position at no extra forward. Lines with "text" instead of "prompt" are
-   taken as they are (teacher-forced, one lean forward each).
+   taken as they are (teacher-forced, one lean forward each), and so are the Python standard library's
+   docstrings, read for the rest of the data time (`text_share` of it; they are on every machine).
 2. Vocabulary (FR-Spec): the N tokens the data predicts most often, the tokenizer's special tokens, and, if
    the data holds fewer than N distinct tokens, the lowest remaining ids (BPE ids rise with merge order,
    i.e. roughly fall in frequency).
 3. Training (EAGLE): teacher-forced over whole sequences, the head reads (f_t + noise, e(x_{t+1})) and predicts
    f_{t+1}; loss = smooth-L1 of (prediction - f_{t+1}) in units of the features' RMS + cross-entropy between the
    target's next-token distribution and the head's, both over the N tokens (LM head rows of the N tokens after
-   the final norm). EAGLE weighs raw features 1 and the cross-entropy 0.1; on SmolLM2 (feature RMS ~36, single values up to ~4400, so
-   the raw regression swamps the rest) this scaling raised held-out greedy agreement after 150 steps from 0.28
-   to 0.32. AdamW with warm-up and cosine decay over a fixed number of steps.
-4. Evaluation on held-out sequences: the expected first-draft acceptance at temperature 1 (sum min(p, q)) and
-   greedy agreement; then the loop itself drafting greedy replies on held-out prompts (measured acceptance).
+   the final norm). EAGLE weighs raw features 1 and the cross-entropy 0.1; on SmolLM2 (feature RMS ~36, single
+   values up to ~4400, so the raw regression swamps the rest) this scaling raised held-out greedy agreement
+   after 150 steps from 0.28 to 0.32. AdamW with warm-up and cosine decay over a fixed number of steps.
+4. Evaluation on the held-out prompts' replies (teacher-forced, first draft only): the expected acceptance at
+   temperature 1 (sum min(p, q) with the full target p) and greedy agreement. Acceptance in the loop, at every
+   draft position, is what `specchat bench --modes off,head` measures.
 
 Deterministic for a seed and a step count; `minutes` picks the step count from the measured speed of the first
 steps and prints it, so a run can be repeated with `steps`. Everything lands in a work folder first (data, a
