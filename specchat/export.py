@@ -125,14 +125,14 @@ def export_paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".json"), path.with_name(path.name + ".csv")
 
 
-def _finite(obj):
-    """NaN and infinity are not JSON: write them as null."""
+def json_safe(obj):
+    """NaN and infinity (a statistic with nothing to divide by) are not JSON: write them as null."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -164,7 +164,7 @@ def write_export(session, path: Path) -> tuple[Path, Path]:
     returns the JSON and CSV paths."""
     data = session_data(session)
     json_path, csv_path = export_paths(path)
-    write_atomic(json_path, json.dumps(_finite(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n")
+    write_atomic(json_path, json.dumps(json_safe(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n")
     write_atomic(csv_path, rounds_csv(data))
     write_atomic(markdown_path(json_path), conversation_markdown(session, data))
     return json_path, csv_path

@@ -12,10 +12,11 @@ Importing this does not import torch (store, which does, is imported when a file
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
+
+from specchat.export import json_safe
 
 FORMAT = "specchat-conversation/1"
 
@@ -28,17 +29,6 @@ def conversations_dir() -> Path:
 
 def _now() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def _finite(obj):
-    """NaN and infinity (a statistic with nothing to divide by) are not JSON: write them as null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def turn_record(session, turn, finished: str) -> dict:
@@ -104,7 +94,7 @@ class ConversationLog:
 
         data = self.data(session)
         if data["turns"]:
-            write_atomic(self.path, json.dumps(_finite(data), indent=1, ensure_ascii=False, default=str) + "\n")
+            write_atomic(self.path, json.dumps(json_safe(data), indent=1, ensure_ascii=False, default=str) + "\n")
         return self.path
 
 

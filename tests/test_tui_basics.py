@@ -4,41 +4,20 @@ from the palette, the system prompt edited from the palette, the reply copied, t
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from textual.command import CommandList
 from textual.widgets import Input, OptionList
 
 from helpers import REPLY, VOCAB, FakeSession
+from test_tui import RecordingApp, wait_for
 from specchat.history import ConversationLog
-from specchat.tui.app import SpecChatApp
 from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.widgets import Conversation, MarkdownReply, ReplyView, SavedReply, UserView
 
 SIZE = (120, 40)
 REPLY_TEXT = "".join(VOCAB[i] for i in REPLY)
-
-
-class RecordingApp(SpecChatApp):
-    """The real app, remembering every notice it showed."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.notices: list[str] = []
-        super().__init__(*args, **kwargs)
-
-    def notify(self, message, **kwargs) -> None:
-        self.notices.append(str(message))
-        super().notify(message, **kwargs)
-
-
-async def wait_for(pilot, condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the app")
-        await pilot.pause(0.01)
 
 
 async def send(pilot, text: str) -> None:
