@@ -55,6 +55,7 @@ class Snapshot:
     reply: Stats  # the latest turn
     recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
     baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
+    max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
 
     @property
     def total(self) -> Stats:
@@ -277,6 +278,7 @@ class Session:
                 reply=self.turns[-1].stats.copy() if self.turns else Stats(),
                 recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
                 baseline=Baseline.of(self._plain or ()),
+                max_draft=getattr(controls.drafter, "max_draft", None),
             )
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:

@@ -176,3 +176,19 @@ async def test_the_sparkline_shows_the_latest_rounds_after_more_rounds_than_fit(
         line = next(line for line in screen_text(app).splitlines() if "recent rounds" in line)
         bars = line.split("recent rounds", 1)[1].strip()
         assert len(bars) >= 10 and set(bars) == {"█"}, line  # the latest rounds, not the oldest, not blank
+
+
+@pytest.mark.asyncio
+async def test_the_panel_says_when_the_drafter_caps_k():
+    """Mode head's file may cap drafting (max_draft): the panel must not claim K drafts per round."""
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.pause()
+        app.snapshot = dataclasses.replace(app.session.snapshot(), k=4, max_draft=1)
+        app.refresh_panel(retake=False)
+        await pilot.pause()
+        assert "K 4 (drafts ≤1)" in screen_text(app)
+        app.snapshot = dataclasses.replace(app.session.snapshot(), k=4, max_draft=None)
+        app.refresh_panel(retake=False)
+        await pilot.pause()
+        assert "K 4" in screen_text(app) and "drafts ≤" not in screen_text(app)

@@ -172,7 +172,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
         if not sampling.greedy and sampling.top_p < 1:
             how += f" top-p={sampling.top_p:g}"
         exact = "exact" if snapshot.exact else "APPROXIMATE"
-        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
+        capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"), (capped, "dim"),
                              ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
