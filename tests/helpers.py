@@ -461,3 +461,30 @@ class ReportsWrongQ(Drafter):
 
     def reset(self) -> None:
         self.inner.reset()
+
+
+# ---------------------------------------------------------------- one mode's distribution test and its controls
+
+CONTROLS = {  # name: (wrap the drafter, make the rule): deliberately broken variants that must fail
+    "resample from p": (lambda d: d, ResampleFromP),
+    "q at the wrong temperature from position 3": (lambda d: ReportsWrongQ(d, position=3, factor=0.25), lambda: None),
+}
+
+
+def check_mode_distribution(target, drafter, case: str, bug: str | None, *, draws: int, record_property=None) -> None:
+    """K=3 with draws of K+1 tokens, position by position against the exact conditionals: the exact drafter passes;
+    with `bug` (a CONTROLS name) the same settings must fail, a wrong q from position 3 exactly there."""
+    rule = None
+    if bug:
+        wrap, make_rule = CONTROLS[bug]
+        drafter, rule = wrap(drafter), make_rule()
+    fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=draws, rule=rule)
+    if record_property is not None:
+        record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6, fit
+        if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
+            assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit

@@ -16,8 +16,7 @@ from specchat.engine.drafters.plain import PlainDecoding
 from specchat.session import drafter_options
 from specchat.store import save_tuned
 from specchat.engine.metrics import Stats
-from helpers import (ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, ResampleFromP, assert_drafted_up_to, fit_to_target, run,
-                     sample_and_fit)
+from helpers import (ALPHA, PROMPT, assert_drafted_up_to, check_mode_distribution, fit_to_target, run)
 
 
 @pytest.mark.parametrize("exit_layer", [1, 2, 3])
@@ -67,10 +66,6 @@ SETTINGS = {  # name: (target fixture, sampling case, exit layer)
     "rough, topp0.8": ("rough_target", "topp0.8", 2),
     "deep, t1": ("deep_target", "t1", 2),
 }
-BUGS = {  # name: (wrap the drafter, rule)
-    "resample from p": (lambda d: d, ResampleFromP),
-    "q at the wrong temperature from position 3": (lambda d: ReportsWrongQ(d, position=3, factor=0.25), lambda: None),
-}
 
 
 @pytest.mark.parametrize("setting, bug", [
@@ -83,19 +78,8 @@ def test_sampled_output_matches_target_distribution(request, record_property, se
     """K=3 with draws of K+1 tokens; each broken control must fail at the same settings as its exact run."""
     fixture, case, exit_layer = SETTINGS[setting]
     target = request.getfixturevalue(fixture)
-    drafter, rule = build_drafter("earlyexit", target, exit_layer=exit_layer), None
-    if bug:
-        wrap, make_rule = BUGS[bug]
-        drafter, rule = wrap(drafter), make_rule()
-    fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=1000, rule=rule)
-    record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
-    if bug is None:
-        assert fit.passed(ALPHA), fit
-    else:
-        assert fit.p_value < 1e-6, fit
-        if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
-            assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
+    drafter = build_drafter("earlyexit", target, exit_layer=exit_layer)
+    check_mode_distribution(target, drafter, case, bug, draws=1000, record_property=record_property)
 
 
 def switching(target, drafters, params, max_new_tokens, seed=0, stats=None):

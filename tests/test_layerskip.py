@@ -10,7 +10,7 @@ from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.layerskip import LayerSkipDrafter, builtin_skip
 from specchat.session import drafter_options
 from specchat.store import save_tuned
-from helpers import ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, ResampleFromP, assert_drafted_up_to, run, sample_and_fit
+from helpers import PROMPT, check_mode_distribution, run
 
 
 @pytest.mark.parametrize("skip", [[1], [0, 2], [3]])
@@ -45,10 +45,6 @@ SETTINGS = {  # name: (target fixture, sampling case, skipped layers)
     "rough, t0.7-topk5": ("rough_target", "t0.7-topk5", [1, 2]),
     "deep, t0.7-topk5": ("deep_target", "t0.7-topk5", [1, 2]),
 }
-BUGS = {  # name: (wrap the drafter, rule)
-    "resample from p": (lambda d: d, ResampleFromP),
-    "q at the wrong temperature from position 3": (lambda d: ReportsWrongQ(d, position=3, factor=0.25), lambda: None),
-}
 
 
 @pytest.mark.parametrize("setting, bug", [
@@ -61,19 +57,8 @@ def test_sampled_output_matches_target_distribution(request, record_property, se
     """K=3 with draws of K+1 tokens; each broken control must fail at the same settings as its exact run."""
     fixture, case, skip = SETTINGS[setting]
     target = request.getfixturevalue(fixture)
-    drafter, rule = build_drafter("layerskip", target, skip_layers=skip), None
-    if bug:
-        wrap, make_rule = BUGS[bug]
-        drafter, rule = wrap(drafter), make_rule()
-    fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=1000, rule=rule)
-    record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
-    if bug is None:
-        assert fit.passed(ALPHA), fit
-    else:
-        assert fit.p_value < 1e-6, fit
-        if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
-            assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
+    drafter = build_drafter("layerskip", target, skip_layers=skip)
+    check_mode_distribution(target, drafter, case, bug, draws=1000, record_property=record_property)
 
 
 def test_default_skip_set_tuned_then_builtin(deep_target, tmp_path, monkeypatch):
