@@ -126,7 +126,7 @@ class Data:
             tensors = load_file(path)
         except Exception:
             return None
-        n = len(tensors) // 2
+        n = sum(k.startswith("t") for k in tensors)  # t0.., f0.. and groups
         return Data([tensors[f"t{i}"].tolist() for i in range(n)], [tensors[f"f{i}"] for i in range(n)], tensors["groups"].tolist())
 
 
