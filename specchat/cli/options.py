@@ -72,10 +72,13 @@ def prepare_process() -> None:
 def _on_ctrl_c(signum, frame) -> None:
     """Ctrl+C raises KeyboardInterrupt, except in the middle of an import or a finalizer: in an import it can
     abort the process (torch registers operators through C++ callbacks that must not raise) or leave a
-    half-imported module that fails later with a misleading error; in a `__del__` it is printed and dropped.
+    half-imported module that fails later with a misleading error; in a `__del__` or a weakref callback it is
+    printed and dropped.
     There it is raised again 50 ms on, until neither is running."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib") or frame.f_code.co_name == "__del__":
+        code = frame.f_code
+        # an exception raised in a finalizer or a weakref callback (WeakKeyDictionary's `remove`) is printed and dropped
+        if code.co_filename.startswith("<frozen importlib") or code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
             return
         frame = frame.f_back
