@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import random
 import threading
@@ -143,6 +145,16 @@ class Session:
             options = drafter_options(self.target.model, mode, self.mode_options)
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
+
+    def engine(self) -> tuple[TargetState, Controls]:
+        """Another engine over the same weights: its own KV cache and drafter, this session's mode and settings.
+        Draws that run in parallel threads (`specchat verify`) each need one; a drafter keeps per-sequence state."""
+        mode = self.mode
+        draft_model = self.draft.model if self.draft else None
+        drafter = build_drafter(mode, self.target.model, draft_model, **drafter_options(self.target.model, mode, self.mode_options))
+        controls = dataclasses.replace(self.controls, drafter=drafter, adaptive=copy.deepcopy(self.controls.adaptive),
+                                       baseline=None, baseline_every=0, rounds_since_baseline=0)
+        return TargetState(self.target.model, self.state.runner), controls
 
     def configure_mode(self, mode: str, **settings) -> None:
         """Change a mode's settings (e.g. the skip set `tune` found): its drafter is rebuilt when next used."""

@@ -40,6 +40,7 @@ from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.sampling import logits_to_probs
 from specchat.verify import (
     DEFAULT_ALPHA,
+    DEFAULT_SAMPLES,
     TargetConditionals,
     combined_p,
     fit_next_token,
@@ -163,6 +164,42 @@ def test_the_two_tests_share_alpha():
     """The chi-square test gets 3/4 of alpha, the likelihood score test 1/4: the level stays alpha."""
     assert combined_p(0.006, 1.0) == pytest.approx(0.008) and combined_p(1.0, 0.002) == pytest.approx(0.008)
     assert combined_p(0.9, 0.9) == 1.0
+
+
+# ---------------------------------------------------------------- parallel engines (what the CLI runs on a CPU)
+
+
+def parallel_session(target, draft, seed, rule=None):
+    """A real Session (Session.engine builds the other engines) over the tiny target and a bigram draft."""
+    from specchat.models import LoadedModel
+    from specchat.session import Session
+
+    tokenizer = SimpleNamespace(eos_token_id=None)
+    session = Session(LoadedModel(target, tokenizer, "tiny"), LoadedModel(draft, tokenizer, "bigram"), mode="draft",
+                      k=K, sampling=T1, seed=seed)
+    session.eos_ids = set()
+    if rule is not None:
+        session.controls.rule = rule
+    return session
+
+
+def test_parallel_engines_make_every_draw_once_and_reproducibly(peaked_target, drafts):
+    threads = torch.get_num_threads()
+    a = run_verify(parallel_session(peaked_target, drafts["over"], seed=3), PROMPT, engines=2)
+    b = run_verify(parallel_session(peaked_target, drafts["over"], seed=3), PROMPT, engines=2)
+    assert torch.get_num_threads() == threads  # the engines ran single-threaded, then torch got its threads back
+    assert a["engines"] == 2 and a["verdict"] == "pass" and a["max_drafted"] == K
+    assert a["positions"][0]["draws"] == DEFAULT_SAMPLES  # every draw reached the first token's test once
+    assert a["drafted_per_position"][0] >= DEFAULT_SAMPLES and a["acceptance_rate"] is not None
+    assert (a["statistic"], a["distinct_continuations"], a["drafted_per_position"]) == (
+        b["statistic"], b["distinct_continuations"], b["drafted_per_position"])
+
+
+def test_a_broken_rule_fails_on_parallel_engines(peaked_target, drafts):
+    """The engines copy the session's rule: a broken one is still caught."""
+    reports = [run_verify(parallel_session(peaked_target, drafts["over"], seed, ResampleFromPClaimingExact()), PROMPT, engines=2)
+               for seed in range(5)]
+    assert sum(r["verdict"] == "fail" for r in reports) >= 4, [round(r["p_value"], 4) for r in reports]
 
 
 # ---------------------------------------------------------------- verdicts

@@ -31,7 +31,7 @@ TESTS = ("target", "homogeneity")
 @generation_options
 def verify(prompt, raw, samples, tokens, test, alpha, fmt, **opts):
     """Check that a mode samples from the target's distribution on the loaded models."""
-    from specchat.verify import default_messages, default_raw_prompt, run_verify
+    from specchat.verify import default_messages, default_raw_prompt, parallel_engines, run_verify
 
     if prompt is not None and not prompt.strip():
         raise UserError("the prompt is empty")
@@ -48,7 +48,8 @@ def verify(prompt, raw, samples, tokens, test, alpha, fmt, **opts):
             ids = session.chat_prompt(messages)
         session.check_fits(ids)
         progress = None if fmt == "json" else lambda msg: click.echo(msg, err=True)
-        report = run_verify(session, ids, samples=samples, length=tokens, alpha=alpha, test=test, progress=progress)
+        report = run_verify(session, ids, samples=samples, length=tokens, alpha=alpha, test=test,
+                            engines=parallel_engines(session), progress=progress)
     report = {**config_summary(session), "prompt": prompt, **report}  # prompt None: the mode's default
     if fmt == "json":
         print(json.dumps(report))
