@@ -2,7 +2,7 @@
 before any model loads (`specchat --help` stays fast). Each mode's drafter class is in
 specchat.engine.drafters (DRAFTERS, in the same order; a test checks the two agree)."""
 
-# mode name -> one-line description; the order is the order of the chat's keys (F2..F8)
+# mode name -> one-line description; the order is the order of the chat's keys (F2..F10)
 MODES: dict[str, str] = {
     "off": "plain decoding of the target (the baseline)",
     "draft": "a separate draft model sharing the tokenizer",
@@ -12,6 +12,7 @@ MODES: dict[str, str] = {
     "quant": "an int8 weight copy of the target",
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
     "head": "a small draft head trained on the target's own features (specchat train-head)",
+    "auto": "each round, the fastest of off, lookup, head and draft as measured in this session",
 }
 
 # the self-speculative modes whose setting `specchat tune` searches, and the drafter option each one takes

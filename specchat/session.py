@@ -18,6 +18,7 @@ from specchat import store
 from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
+from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
@@ -58,6 +59,8 @@ class Snapshot:
     recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
     baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
     max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
+    choice: str | None = None  # mode auto: the mode of its latest round
+    why: str | None = None  # and why (the rates it compared)
 
     @property
     def total(self) -> Stats:
@@ -88,6 +91,10 @@ def drafter_options(model, mode: str, options: dict) -> dict:
         tuned = store.load_tuned(model, mode)
         if tuned and setting in tuned:
             out[setting] = tuned[setting]
+    if mode == "auto":  # every candidate's options together (each drafter takes the ones it understands)
+        for candidate in AUTO_CANDIDATES:
+            out.update(drafter_options(model, candidate, options))
+        return out
     if mode == "lowrank":
         out.setdefault("factor_store", store.TensorStore(store.cache_dir() / "lowrank"))
     if mode == "head" and out.get("head_file") is None:
@@ -291,6 +298,8 @@ class Session:
                 recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
                 baseline=Baseline.of(self._plain or ()),
                 max_draft=getattr(controls.drafter, "max_draft", None),
+                choice=getattr(controls.drafter, "choice", None),
+                why=getattr(controls.drafter, "why", None),
             )
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:

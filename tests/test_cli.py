@@ -74,6 +74,8 @@ def test_no_subcommand_starts_the_chat_or_says_why(monkeypatch):
 
     monkeypatch.setattr(app, "run_chat", lambda session, **kw: print("CHAT", session.mode))
     r = invoke("--max-new-tokens", 4)
+    assert r.exit_code == 0 and "CHAT auto" in r.output  # the chat's default mode
+    r = invoke("--max-new-tokens", 4, "--mode", "off")
     assert r.exit_code == 0 and "CHAT off" in r.output
 
 

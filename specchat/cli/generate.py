@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import click
 
@@ -58,6 +59,7 @@ def generate(prompt, raw, fmt, **opts):
         "exact": turn.stats.exact,
         "prompt_tokens": turn.prompt_tokens,
         "stop_reason": "interrupted" if interrupted else turn.stop_reason,
+        "rounds_by_mode": dict(Counter(r.mode for r in turn.rounds).most_common()),  # mode auto runs several
         **turn.stats.summary(),
     }
     if fmt == "json":
@@ -90,6 +92,7 @@ def summary_lines(s: dict) -> list[list[str]]:
         [f"[b]{s['mode']}[/b]" + (f" K={s['draft_len']}" if s["mode"] != "off" else ""), f"target={s['target']}",
          *([f"draft={s['draft']}"] if s["draft"] else []), f"{s['device']}/{s['dtype']} {s['threads']} thread{'s' if s['threads'] != 1 else ''}", sampling,
          *([] if s["exact"] else ["[b red]APPROXIMATE (exact: false)[/]"])],
+        *([[f"rounds by mode: {', '.join(f'{m} {n}' for m, n in s['rounds_by_mode'].items())}"]] if s["mode"] == "auto" else []),
         [f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})",
          f"{num(s['tokens_per_s'])} tok/s", f"{num(s['ms_per_token'])} ms/token", f"first token {num(s['time_to_first_token_s'])} s"],
         [f"acceptance {num(s['acceptance_rate'])}", f"mean accepted length {num(s['mean_accepted_length'])}",

@@ -81,6 +81,7 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
     if export_path is not None:
         check_export_path(export_path)
     conversation = resume_latest() if resume else None  # before the models load: a missing one fails fast
+    opts["mode"] = opts["mode"] or "auto"  # the chat's default: each round the mode measured fastest
     session = load_session(opts)
 
     from specchat.history import ConversationLog

@@ -49,6 +49,9 @@ class RoundRecord:
     rejected: list[int] = field(default_factory=list)  # draft ids proposed after the first rejection (incl. it)
     exact: bool = True
     stop_reason: str | None = None  # "eos" | "max_new_tokens" | "context" on the last round of a generation
+    # E[tokens emitted | these drafts] = 1 + a1 + a1 a2 + ... from every judged draft's acceptance probability:
+    # what the round was worth, without the noise of its one accept/reject draw (mode auto compares modes by it)
+    expected_tokens: float = 1.0
 
     @property
     def emitted(self) -> int:

@@ -101,7 +101,8 @@ def generate(
     produced = 0
     round_index = 0
     while produced < limit:
-        drafter, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
+        chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
+        drafter = chooser.for_round(state, params)  # mode auto: the mode it picked for this round
         want = adaptive.k(drafter.name) if adaptive else controls.k
         if controls.baseline is not None and controls.baseline_every and drafter is not controls.baseline:
             controls.rounds_since_baseline += 1
@@ -155,10 +156,12 @@ def generate(
             exact=rule.exact,
             stop_reason=stop_reason,
             prefill_s=prefill_s if round_index == 0 else 0.0,
+            expected_tokens=1.0 + float(torch.cumprod(verdict.accept_probs[:judged].float(), 0).sum()) if judged else 1.0,
         )
         raw = p if params == UNWARPED else logits[: len(new)].float().softmax(-1)  # [E, V]: the inspector's
         record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode)
         record.wall_s = time.perf_counter() - t0
+        chooser.observe(record)
         produced += len(new)
         round_index += 1
         yield record

@@ -1,6 +1,7 @@
 """Draft sources, one file each, behind one interface (base.Drafter). DRAFTERS maps each mode to its class; the
 modes' names and descriptions, torch-free, are specchat.modes.MODES (same order)."""
 
+from specchat.engine.drafters.auto import AutoDrafter
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter
 from specchat.engine.drafters.head import HeadDrafter
@@ -21,6 +22,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "quant": QuantDrafter,
     "lookup": LookupDrafter,
     "head": HeadDrafter,
+    "auto": AutoDrafter,
 }
 
 
@@ -33,6 +35,8 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     """
     if mode not in DRAFTERS:
         raise ModeUnavailable(f"unknown mode {mode!r}; choose one of {', '.join(DRAFTERS)}")
+    if mode == "auto":  # built from the other modes' drafters
+        options["build_candidate"] = build_drafter
     return DRAFTERS[mode].build(target, draft, **options)
 
 

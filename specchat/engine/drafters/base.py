@@ -43,6 +43,13 @@ class Drafter:
     def propose(self, state: TargetState, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError
 
+    def for_round(self, state: TargetState, params: SamplingParams) -> "Drafter":
+        """The drafter that runs the next round: itself, except for a mode that chooses among others (auto)."""
+        return self
+
+    def observe(self, record) -> None:
+        """Called with every round's RoundRecord once the round is done (auto learns from it)."""
+
     def verify(self, state: TargetState, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] for the pending token and the drafts.
 

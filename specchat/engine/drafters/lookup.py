@@ -52,14 +52,27 @@ class LookupDrafter(Drafter):
                     table[tuple(tokens[e - n : e])] = e
         self.tokens = list(tokens)
 
-    def propose(self, state, k, params, generator) -> Proposal:
-        tokens = state.tokens
+    def match(self, tokens: list[int]) -> int | None:
+        """Where the tokens that followed the longest earlier occurrence of the last n tokens begin, or None."""
         self._sync(tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) <= n:
-                continue
-            end = self.index[n].get(tuple(tokens[-n:]))
-            if end is not None:
-                ids = tokens[end : end + k]  # may be fewer than k near the end
-                return Proposal(torch.tensor(ids, dtype=torch.long, device=state.device), None, calls=0)
-        return Proposal.empty(state.device)
+            if len(tokens) > n:
+                end = self.index[n].get(tuple(tokens[-n:]))
+                if end is not None:
+                    return end
+        return None
+
+    @staticmethod
+    def match_length(tokens: list[int], end: int, longest: int = 16) -> int:
+        """How many tokens before `end` equal the last ones (at most `longest`): a long match is a copy in progress."""
+        n = 0
+        while n < longest and n < end and tokens[end - 1 - n] == tokens[-1 - n]:
+            n += 1
+        return n
+
+    def propose(self, state, k, params, generator) -> Proposal:
+        end = self.match(state.tokens)
+        if end is None:
+            return Proposal.empty(state.device)
+        ids = state.tokens[end : end + k]  # may be fewer than k near the end
+        return Proposal(torch.tensor(ids, dtype=torch.long, device=state.device), None, calls=0)

@@ -104,7 +104,7 @@ def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | 
         table.add_column(name, justify=justify, no_wrap=True)
     for mode in MODES:
         key = MODE_KEYS[mode]
-        marker = "●" if mode == current else "…" if mode == pending else " "
+        marker = "●" if mode in (current, snapshot.choice) else "…" if mode == pending else " "
         if mode in unavailable:
             table.add_row(Text(key, style="dim"), Text(f" {mode}", style="dim strike"), Text("n/a", style="dim"), "", "")
             continue
@@ -173,11 +173,16 @@ class StatsPanel(VerticalScroll, can_focus=False):
             how += f" top-p={sampling.top_p:g}"
         exact = "exact" if snapshot.exact else "APPROXIMATE"
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
-        line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"), (capped, "dim"),
-                             ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
+        running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
+                             (capped, "dim"), ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"), no_wrap=True, overflow="ellipsis")
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
+        elif running:
+            line.append(f"\n{snapshot.why}", style="dim")
         self.query_one("#mode-line", Static).update(line, layout=False)
+        if running:  # the rest of the panel is about the mode auto runs now
+            mode = snapshot.choice
         self.query_one("#stats", Static).update(stats_table(snapshot.reply, stats.get(mode, Stats()), mode), layout=False)
         accepted = self.get_component_rich_style("token--accepted", partial=True).color
         colour = accepted.name if accepted is not None else "green"

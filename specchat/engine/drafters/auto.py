@@ -1,0 +1,150 @@
+"""Mode `auto`: each round, the mode measured fastest so far in this session.
+
+It does not draft itself: `for_round` hands the loop one of its candidates (plain decoding, prompt lookup, the
+draft head, a draft model: whichever can run), and the loop runs that round exactly as if the user had chosen
+that mode. The choice depends only on earlier rounds, never on this round's draws, and every candidate is
+exact, so `auto` is exact too.
+
+What it measures: per mode and sampling setting (acceptance depends on the temperature), tokens per second of
+engine time (draft + verify) over its recent rounds, exponentially weighted, so a change of load reaches the
+estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
+(RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
+accept/reject draw that happened. A round that drafted nothing is a plain step whatever the mode, and counts
+for `off`. Every candidate runs a few rounds first; then each round runs the best, except that a candidate not
+run for a while gets one round again (its wait doubles each time it loses, up to MAX_WAIT rounds, so a stale
+estimate never lasts long), and the incumbent is kept unless another is faster by more than HYSTERESIS
+(switching drafters costs a resync). Prompt lookup is special: it only drafts where the last tokens occurred
+before, so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
+match (how far back the tokens before it agree too: a copy in progress, or a chance bigram).
+
+Left out: the self-speculative modes. layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a
+step per draft on every model measured) and could only lose, and quant and lowrank build a second copy of
+the weights, which would stall a reply for seconds. They stay one key away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specchat.engine.drafters.base import Drafter, ModeUnavailable
+
+CANDIDATES = ("off", "lookup", "head", "draft")  # in the order their first rounds run
+WARMUP = 3  # rounds every candidate runs before the choice starts
+WINDOW = 16  # rounds an estimate averages over (exponential weights)
+FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss
+HYSTERESIS = 0.05  # another mode must be this much faster to replace the one running
+# lookup's arms: a long match (the tokens before it agree too) predicts a copy, a 2-token one is a guess
+LOOKUP_ARMS = ((6, "lookup≥6"), (3, "lookup3-5"), (0, "lookup2"))  # (shortest match, arm), longest first
+
+
+@dataclass
+class Rate:
+    """Exponentially weighted tokens and seconds per round of one mode."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+    last: int = 0  # the auto round of its latest measurement
+    wait: int = FIRST_WAIT  # rounds it may go unmeasured
+
+    def add(self, tokens: float, seconds: float, at: int) -> None:
+        self.rounds += 1
+        w = 1.0 / min(self.rounds, WINDOW)
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.last = at
+
+    @property
+    def per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class AutoDrafter(Drafter):
+    name = "auto"
+
+    @classmethod
+    def build(cls, target, draft=None, *, build_candidate, **options) -> "AutoDrafter":
+        """`build_candidate` is drafters.build_drafter (passed in: this module is one of the drafters it imports)."""
+        candidates = {}
+        for mode in CANDIDATES:
+            try:
+                candidates[mode] = build_candidate(mode, target, draft, **options)
+            except ModeUnavailable:  # no head for this target, no draft model: not a candidate
+                pass
+        return cls(candidates)
+
+    def __init__(self, candidates: dict[str, Drafter]) -> None:
+        if "off" not in candidates:
+            raise ValueError("auto needs plain decoding among its candidates")
+        self.candidates = candidates
+        # the arms whose rates are compared: one per mode, and lookup split by the length of its match
+        self.arm_mode = {mode: mode for mode in candidates if mode != "lookup"}
+        if "lookup" in candidates:
+            self.arm_mode.update({label: "lookup" for _, label in LOOKUP_ARMS})
+        self.tables: dict[object, dict[str, Rate]] = {}  # sampling setting -> arm -> its rate
+        self.rates = self._table(None)
+        self.rounds = 0
+        self.arm = self.choice = "off"  # the arm and the mode of the latest round
+        self.why = "measuring every mode first"
+
+    def reset(self) -> None:
+        """The candidates forget their caches; the rates stay: they are what this session learnt about the machine."""
+        for drafter in self.candidates.values():
+            drafter.reset()
+
+    @property
+    def max_draft(self) -> int | None:
+        return getattr(self.candidates[self.choice], "max_draft", None)
+
+    def _table(self, params) -> dict[str, Rate]:
+        return self.tables.setdefault(params, {arm: Rate() for arm in self.arm_mode})
+
+    def for_round(self, state, params) -> Drafter:
+        self.rounds += 1
+        self.rates = self._table(params)
+        self.arm, self.why = self.choose(state.tokens)
+        self.choice = self.arm_mode[self.arm]
+        return self.candidates[self.choice]
+
+    def lookup_arm(self, tokens: list[int]) -> str | None:
+        """Lookup's arm for this context (by how long its match is), or None when it has no match."""
+        lookup = self.candidates.get("lookup")
+        end = lookup.match(tokens) if lookup is not None else None
+        if end is None:
+            return None
+        length = lookup.match_length(tokens, end)
+        return next(label for shortest, label in LOOKUP_ARMS if length >= shortest)
+
+    def choose(self, tokens: list[int]) -> tuple[str, str]:
+        """The arm for the next round and why, from the rates so far."""
+        rates = self.rates
+        lookup = self.lookup_arm(tokens)
+        eligible = [arm for arm, mode in self.arm_mode.items() if mode != "lookup" or arm == lookup]
+        for mode in eligible:
+            if rates[mode].rounds < WARMUP:
+                return mode, "measuring every mode first"
+        best = max(eligible, key=lambda m: (rates[m].per_s, m == "off"))
+        rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
+        for mode in eligible:
+            if mode != best and self.rounds - rates[mode].last > rates[mode].wait:
+                rates[mode].wait = min(2 * rates[mode].wait, MAX_WAIT)
+                return mode, f"re-measuring {mode}"
+        if self.arm in eligible and rates[self.arm].per_s * (1 + HYSTERESIS) >= rates[best].per_s:
+            best = self.arm
+        return best, self.explain(best, eligible)
+
+    def explain(self, best: str, eligible: list[str]) -> str:
+        others = ", ".join(f"{m} {self.rates[m].per_s:.0f}" for m in eligible if m != best)
+        return f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
+
+    def observe(self, record) -> None:
+        if not record.drafted:
+            if record.index == 0:
+                return  # round 0 without drafts: its token came with the prefill, there is no step to time
+            arm = "off"  # a round without drafts is a plain step, whatever the mode
+        else:
+            arm = self.arm if record.mode == self.arm_mode.get(self.arm) else record.mode
+        if arm not in self.rates:
+            return
+        tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
+        self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds)

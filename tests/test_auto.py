@@ -1,0 +1,188 @@
+"""Mode `auto`: how it chooses (scripted rounds, no model), and that switching modes every round keeps the
+output exact: greedy identical to plain decoding, sampled output against the target's exact conditionals
+(with broken controls that must fail at the same settings)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import (ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, WrongTemperatureFrom, assert_drafted_up_to, bigram_draft, run,
+                     sample_and_fit)
+from specchat.engine import SamplingParams
+from specchat.engine.drafters import build_drafter
+from specchat.engine.drafters.auto import FIRST_WAIT, MAX_WAIT, WARMUP, AutoDrafter
+from specchat.engine.drafters.base import Drafter
+from specchat.engine.drafters.lookup import LookupDrafter
+from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.drafters.plain import PlainDecoding
+
+
+T1 = SamplingParams(1.0)
+
+
+class Named(Drafter):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def scripted_auto(lookup: bool = False) -> AutoDrafter:
+    candidates = {"off": PlainDecoding(), "head": Named("head")}
+    if lookup:
+        candidates["lookup"] = LookupDrafter()
+    return AutoDrafter(candidates)
+
+
+def play(auto, speeds: dict[str, float], rounds: int, tokens: list[int] | None = None) -> list[str]:
+    """Run `rounds` rounds in which mode m emits speeds[m] tokens per second of engine time (one token per
+    0.01 s for plain decoding, drafting modes 2 tokens a round); returns the modes chosen."""
+    chosen = []
+    for i in range(rounds):
+        mode = auto.for_round(SimpleNamespace(tokens=tokens or [1, 2, 3]), T1).name
+        chosen.append(mode)
+        emitted = 1 if mode == "off" else 2
+        record = SimpleNamespace(mode=mode, drafted=0 if mode == "off" else 2, index=i + 1, tokens=[0] * emitted,
+                                 expected_tokens=emitted, stop_reason=None, draft_s=0.0, verify_s=emitted / speeds[mode])
+        auto.observe(record)
+    return chosen
+
+
+def test_every_candidate_runs_first_then_the_fastest():
+    auto = scripted_auto()
+    chosen = play(auto, {"off": 100.0, "head": 130.0}, 2 * WARMUP + 10)
+    assert chosen[: 2 * WARMUP] == ["off"] * WARMUP + ["head"] * WARMUP
+    assert set(chosen[2 * WARMUP :]) == {"head"} and auto.choice == "head"
+    assert auto.why.startswith("head 130 tok/s vs off 100")
+
+
+def test_a_slower_mode_is_re_measured_less_and_less_often():
+    auto = scripted_auto()
+    chosen = play(auto, {"off": 100.0, "head": 80.0}, 2 * WARMUP + 400)[2 * WARMUP :]
+    heads = [i for i, m in enumerate(chosen) if m == "head"]
+    gaps = [b - a for a, b in zip(heads, heads[1:])]
+    assert gaps and gaps[0] > FIRST_WAIT and all(b >= a for a, b in zip(gaps, gaps[1:]))  # the wait doubles
+    assert max(gaps) <= MAX_WAIT + 1  # up to a limit: an estimate is never older than that
+    assert chosen.count("off") > 0.95 * len(chosen)  # nothing pays: almost every round is plain
+
+
+def test_a_change_of_load_moves_the_choice():
+    """head is faster until it slows down (a competitor on its cores, say): auto follows within a window."""
+    auto = scripted_auto()
+    play(auto, {"off": 100.0, "head": 130.0}, 50)
+    later = play(auto, {"off": 100.0, "head": 60.0}, 60)
+    assert later[16:].count("head") <= 2  # within a window head's estimate has slowed down: only re-measured since
+
+
+def test_lookup_runs_only_where_it_has_a_match():
+    auto = scripted_auto(lookup=True)
+    no_repeat = [5, 6, 7, 8]
+    assert "lookup" not in play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 20, tokens=no_repeat)
+    repeats = [5, 6, 7, 8, 5, 6]  # "5 6" occurred before: lookup can draft "7 8"
+    assert play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 20, tokens=repeats)[-10:].count("lookup") >= 9
+
+
+def test_lookup_is_measured_per_length_of_its_match():
+    auto = scripted_auto(lookup=True)
+    copying = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4, 5, 6, 7]  # the last 7 tokens occurred before
+    assert auto.lookup_arm(copying) == "lookup≥6" and auto.lookup_arm([1, 2, 9, 8, 1, 2]) == "lookup2"
+    assert auto.lookup_arm([1, 2, 3, 9, 2, 3]) == "lookup2" and auto.lookup_arm([5, 1, 2, 3, 9, 1, 2, 3]) == "lookup3-5"
+    assert auto.lookup_arm([1, 2, 3, 4]) is None
+    play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 12, tokens=copying)
+    assert auto.rates["lookup≥6"].rounds > 0 and auto.rates["lookup2"].rounds == 0
+
+
+def test_a_round_without_drafts_counts_as_plain():
+    auto = scripted_auto()
+    auto.observe(SimpleNamespace(mode="head", drafted=0, index=3, tokens=[1], expected_tokens=1.0, stop_reason=None,
+                                 draft_s=0.0, verify_s=0.01))
+    assert auto.rates["off"].rounds == 1 and auto.rates["head"].rounds == 0
+    auto.observe(SimpleNamespace(mode="off", drafted=0, index=0, tokens=[1], expected_tokens=1.0, stop_reason=None,
+                                 draft_s=0.0, verify_s=0.0))  # prefill's token
+    assert auto.rates["off"].rounds == 1
+
+
+def test_estimates_are_kept_per_sampling_setting():
+    auto = scripted_auto()
+    play(auto, {"off": 100.0, "head": 130.0}, 30)  # T=1: head pays
+    greedy = SamplingParams(0.0)
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), greedy).name == "off"  # greedy starts measuring afresh
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), T1).name == "head"  # and T=1 keeps what it learnt
+
+
+def test_a_round_counts_its_expected_tokens():
+    auto = scripted_auto()
+    auto.observe(SimpleNamespace(mode="head", drafted=2, index=3, tokens=[1], expected_tokens=1.8, stop_reason=None,
+                                 draft_s=0.0, verify_s=0.01))
+    assert auto.rates["head"].tokens == pytest.approx(1.8)
+    auto.observe(SimpleNamespace(mode="head", drafted=2, index=4, tokens=[1], expected_tokens=1.8, stop_reason="eos",
+                                 draft_s=0.0, verify_s=0.01))  # a round cut short: what it emitted
+    assert auto.rates["head"].tokens == pytest.approx(1.4)
+
+
+def test_expected_tokens_average_to_the_emitted_tokens(tiny_target, tiny_draft):
+    """E[tokens | drafts] = 1 + a1 + a1 a2 + ...: exactly the emitted count when greedy, the same mean when sampled."""
+    _, records = run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=60)
+    assert all(r.expected_tokens == len(r.tokens) for r in records if r.stop_reason is None)
+    full = [r for seed in range(40)
+            for r in run(tiny_target, ModelDrafter(tiny_draft), PROMPT, k=3, params=SamplingParams(1.0), max_new_tokens=100,
+                         seed=seed)[1] if r.stop_reason is None]
+    emitted, expected = [len(r.tokens) for r in full], [r.expected_tokens for r in full]
+    assert len(full) > 1000 and len(set(emitted)) > 2
+    assert sum(expected) / len(full) == pytest.approx(sum(emitted) / len(full), abs=0.05)
+
+
+# ---------------------------------------------------------------- exact while it switches
+
+
+class EveryRound(AutoDrafter):
+    """auto with the choice replaced by a rotation on the length so far: the mode changes from round to round
+    (lookup only where it has a match), and every draw from the prompt starts with the last candidate."""
+
+    def choose(self, tokens):
+        arms = [arm for arm, mode in self.arm_mode.items() if mode != "lookup"] + [a for a in [self.lookup_arm(tokens)] if a]
+        return arms[(len(tokens) - len(PROMPT) - 1) % len(arms)], "rotation"
+
+
+def rotation(draft) -> EveryRound:
+    return EveryRound({"off": PlainDecoding(), "lookup": LookupDrafter(), "draft": ModelDrafter(draft)})
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_is_plain_greedy_while_switching_every_round(tiny_target, tiny_draft, k):
+    plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=60)
+    out, records = run(tiny_target, rotation(tiny_draft), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=60)
+    assert out == plain
+    assert {r.mode for r in records} >= {"off", "draft"}  # it did switch
+
+
+def test_greedy_with_the_real_choice(tiny_target, tiny_draft):
+    plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
+    auto = build_drafter("auto", tiny_target, tiny_draft)
+    assert set(auto.candidates) == {"off", "lookup", "draft"}  # no head for a random model
+    out, records = run(tiny_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
+    assert out == plain and {r.mode for r in records} >= {"off", "draft"}
+
+
+BUGS = {  # broken variants that must fail at the settings the exact rotation passes
+    "resample from p": (lambda draft: ModelDrafter(draft), ResampleFromP),
+    "q at the wrong temperature from position 3": (lambda draft: WrongTemperatureFrom(draft, position=3), lambda: None),
+}
+
+
+@pytest.mark.parametrize("bug, case", [
+    (None, "t1"),
+    (None, "t0.7-topk5"),
+    ("resample from p", "t0.7-topk5"),
+    ("q at the wrong temperature from position 3", "t1"),
+])
+def test_sampled_output_matches_target_distribution_while_switching(tiny_target, record_property, bug, case):
+    """K=3, draws of K+1 tokens, a different mode every round (the first one drafts with the model)."""
+    draft = bigram_draft(tiny_target, scale=2.0)  # agrees often enough to reach draft position 3, over-confident
+    make_draft, make_rule = BUGS[bug] if bug else (ModelDrafter, lambda: None)
+    auto = EveryRound({"off": PlainDecoding(), "lookup": LookupDrafter(), "draft": make_draft(draft)})
+    fit, stats = sample_and_fit(tiny_target, auto, SAMPLING_CASES[case], k=3, draws=1000, rule=make_rule())
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6, fit
