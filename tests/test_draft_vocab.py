@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import ALPHA, ReportsWrongQ, assert_drafted_up_to, fit_to_target, run, sample_joint, tiny_llama
-from specchat.engine import SamplingParams
+from specchat.engine import SamplingParams, TargetState
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.metrics import Stats
 
@@ -69,3 +69,69 @@ def test_a_larger_draft_table_is_cut_to_the_target_vocabulary():
     ref = target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=30, min_new_tokens=30)
     greedy, _ = run(target, ModelDrafter(draft), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=30)
     assert greedy == ref[0, len(PROMPT):].tolist()
+
+
+# ---------------------------------------------------------------- mode draft on the lean runner, --draft-vocab
+
+
+def test_the_lean_draft_proposes_what_hf_s_forward_does():
+    target, draft = tiny_llama(seed=0, layers=2, vocab=40), tiny_llama(seed=1, layers=2, vocab=40)
+    lean, hf = ModelDrafter.build(target, draft), ModelDrafter(draft)
+    assert lean.lean is not None and hf.lean is None
+    state = TargetState(target)
+    state.start(PROMPT + [7, 8, 9])
+    a = lean.propose(state, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    b = hf.propose(state, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert a.ids.tolist() == b.ids.tolist()
+    torch.testing.assert_close(a.q, b.q, rtol=1e-4, atol=1e-6)
+
+
+def restricted_pair(vocab: int = 30):
+    """The target (vocabulary 40) drafted by itself with its LM head restricted to ids < `vocab`: it agrees
+    wherever the target's choice lies there."""
+    target = tiny_llama(seed=0, layers=2, vocab=40).requires_grad_(False)
+    return target, ModelDrafter.build(target, copy.deepcopy(target), draft_vocab=vocab)
+
+
+def test_a_restricted_draft_vocabulary_is_what_q_says():
+    target, drafter = restricted_pair()
+    allowed = set(drafter.vocab_ids.tolist())
+    assert set(range(30)) <= allowed and drafter.head_w.shape[0] == len(allowed) < 40
+    out, records = run(target, drafter, PROMPT, k=4, params=SamplingParams(1.0), max_new_tokens=100)
+    proposed = [t.id for r in records for t in r.tokens if t.kind == "accepted"] + [i for r in records for i in r.rejected]
+    assert proposed and set(proposed) <= allowed
+    assert any(t not in allowed for t in out)  # the target still emits every id (from the residual or the bonus)
+    state = TargetState(target)
+    state.start(PROMPT)
+    q = drafter.propose(state, 3, SamplingParams(1.0), torch.Generator().manual_seed(0)).q  # [3, 40]
+    outside = torch.tensor([i not in allowed for i in range(40)])
+    assert (q[:, outside] == 0).all() and torch.allclose(q.sum(-1), torch.ones(3))
+    greedy, _ = run(target, drafter, PROMPT, k=4, params=SamplingParams(0), max_new_tokens=60)
+    plain = target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=60, min_new_tokens=60)
+    assert greedy == plain[0, len(PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("bug", [None, "q at the wrong temperature from position 3"])
+def test_a_restricted_draft_keeps_the_target_distribution(record_property, bug):
+    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings."""
+    target, drafter = restricted_pair()
+    params = SamplingParams(1.0)
+    if bug:
+        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
+    stats = Stats()
+    counts = sample_joint(target, drafter, params, k=3, draws=1500, length=4, generated=4, seed=5, stats=stats)
+    fit = fit_to_target(target, counts, params, 4)
+    record_property("p_value", fit.p_value)
+    assert_drafted_up_to(stats, 3)
+    if bug is None:
+        assert fit.passed(ALPHA), fit
+    else:
+        assert fit.p_value < 1e-6, fit
+
+
+def test_draft_vocab_out_of_range_is_refused():
+    from specchat.engine.drafters import ModeUnavailable
+
+    target = tiny_llama(seed=0, layers=2, vocab=40)
+    with pytest.raises(ModeUnavailable, match="choose 1..39"):
+        ModelDrafter.build(target, copy.deepcopy(target), draft_vocab=40)

@@ -173,13 +173,15 @@ def mode_setting_options(f):
         click.option("--exit-layer", type=click.IntRange(min=1), default=None, help="earlyexit: layers run by the draft pass."),
         click.option("--rank", metavar="R", default=None, help="lowrank: rank as a fraction (0.25) or an integer."),
         click.option("--head", "head_file", metavar="FILE", default=None, help="head: a draft head's .safetensors (default: the one trained for this target, or the shipped one)."),
+        click.option("--draft-vocab", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="draft: the draft model's LM head scores only its N lowest token ids and its end tokens (default: all)."),
     ], f)
 
 
 def generation_options(f):
     """Decoding settings shared by the chat and the headless commands."""
     return apply([
-        click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Draft mode (default: draft if --draft is given, else off)."),
+        click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Draft mode (default: auto in the chat; elsewhere draft if --draft is given, else off)."),
         click.option("-k", "--draft-len", type=click.IntRange(min=1), default=4, show_default=True, help="Draft tokens per round (K)."),
         click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
@@ -198,7 +200,7 @@ def system_option(f):
 
 
 def mode_settings(opts: dict) -> dict:
-    """--skip-layers/--exit-layer/--rank as the options a drafter's `build` reads."""
+    """--skip-layers/--exit-layer/--rank/--head/--draft-vocab as the options a drafter's `build` reads."""
     out = {}
     if opts.get("skip_layers"):
         try:
@@ -214,6 +216,8 @@ def mode_settings(opts: dict) -> dict:
         out["head_file"] = path
     if opts.get("exit_layer") is not None:
         out["exit_layer"] = opts["exit_layer"]
+    if opts.get("draft_vocab") is not None:
+        out["draft_vocab"] = opts["draft_vocab"]
     if opts.get("rank") is not None:
         try:
             rank = float(opts["rank"])

@@ -51,15 +51,9 @@ class LayerSkipDrafter(ModelDrafter):
 
     def __init__(self, decoder: Decoder, skip_layers: list[int]) -> None:
         self.decoder = decoder
-        self.lean = lean_runner(decoder.model)  # None: the draft pass runs HF's modules (Decoder)
         self.skip_layers = skip_layers
         self.layer_ids = [i for i in range(decoder.n_layers) if i not in set(skip_layers)]
-        super().__init__(decoder.model)
-
-    def reset(self) -> None:
-        super().reset()
-        if self.lean is not None:
-            self.cache = self.lean.new_cache()
+        super().__init__(decoder.model, lean=lean_runner(decoder.model))  # lean None: the draft runs HF's modules (Decoder)
 
     @property
     def extra_bytes(self) -> int:

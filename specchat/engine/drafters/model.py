@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
+from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
 from specchat.engine.sampling import logits_to_probs, sample
 
 
@@ -25,34 +27,62 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class ModelDrafter(Drafter):
     """Also the base of every drafter that runs a model of its own with its own KV cache
-    (quant, lowrank, layerskip): they differ only in `next_logits`."""
+    (quant, lowrank, layerskip): they differ only in `next_logits`.
+
+    Mode draft runs the draft model on the lean runner where it can (the families the target's runner
+    supports; HF's forward otherwise), and with `vocab=N` its LM head only over the N lowest token ids plus its
+    end-of-sequence ids (FR-Spec's restriction, with BPE merge order standing in for frequency: byte-level BPE
+    gives its most frequent merges the lowest ids). A draft's LM head is a large part of a small model (a
+    0.5B Qwen2.5's 152k rows are ~27% of its weights). q is the softmax over those ids, zero elsewhere: exactly
+    what each draft is drawn from, so the rule stays exact."""
 
     name = "draft"
 
     @classmethod
-    def build(cls, target, draft=None, **options) -> "ModelDrafter":
+    def build(cls, target, draft=None, *, draft_vocab: int | None = None, **options) -> "ModelDrafter":
         if draft is None:
             raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
-        return cls(draft)
+        lean = lean_runner(draft)
+        if draft_vocab is not None and lean is None:
+            raise ModeUnavailable(f"--draft-vocab needs a draft the lean runner supports ({unsupported(draft)})")
+        return cls(draft, lean=lean, vocab=draft_vocab)
 
-    def __init__(self, model) -> None:
-        self.model = model
+    def __init__(self, model, *, lean: Runner | None = None, vocab: int | None = None) -> None:
+        self.model, self.lean = model, lean
         # ids the target may emit beyond the draft's embedding table (a target padded larger) are fed as a
         # token the draft knows: that changes the draft's context, never exactness (q stays what was sampled)
         self.embed_size = model.get_input_embeddings().num_embeddings
         config = model.config
         known = [i for i in (config.pad_token_id, config.eos_token_id, 0) if isinstance(i, int) and 0 <= i < self.embed_size]
         self.stand_in = known[0]
+        self.vocab_ids: torch.Tensor | None = None  # [N] the ids the restricted LM head scores
+        if vocab is not None:
+            if lean is None:
+                raise ValueError("a restricted draft vocabulary needs the lean runner")
+            if not 0 < vocab < lean.vocab_size:
+                raise ModeUnavailable(f"--draft-vocab {vocab}: the draft has {lean.vocab_size} tokens; choose 1..{lean.vocab_size - 1}")
+            eos = {config.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
+            ends = sorted(i for i in eos if isinstance(i, int) and vocab <= i < lean.vocab_size)
+            self.vocab_ids = torch.cat([torch.arange(vocab), torch.tensor(ends, dtype=torch.long)]).to(lean.device)
+            self.head_w = lean.head_w[self.vocab_ids]  # [N, D]: the one copy, N rows of the LM head
         self.reset()
 
     def reset(self) -> None:
-        self.cache = new_cache(self.model)
+        self.cache = self.lean.new_cache() if self.lean is not None else new_cache(self.model)
         self.cached: list[int] = []  # tokens whose KV the draft cache holds
 
     def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
         """Feed `feed` after the cached tokens; the draft's logits for the next token, [V_target]."""
         feed = [t if t < self.embed_size else self.stand_in for t in feed]
-        return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
+        if self.lean is None:
+            return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
+        hidden = self.lean.run(self.lean.embed(feed), range(self.lean.n_layers), self.cache, len(self.cached))[:, -1:]  # [1, 1, D]
+        if self.vocab_ids is None:
+            return align_vocab(self.lean.logits(hidden)[-1], vocab_size)
+        scores = F.linear(rms_norm(hidden, self.lean.norm_w, self.lean.norm_eps), self.head_w)[0, -1]  # [N]
+        logits = torch.full((vocab_size,), float("-inf"), dtype=scores.dtype, device=scores.device)  # [V_target]
+        keep = self.vocab_ids < vocab_size  # ids the target cannot emit are never proposed
+        return logits.index_put_((self.vocab_ids[keep],), scores[keep])
 
     def propose(self, state, k, params, generator) -> Proposal:
         # re-sync: keep the common prefix, feed the rest (after a full accept that includes the K-th draft)
@@ -76,3 +106,7 @@ class ModelDrafter(Drafter):
         if not ids:
             return Proposal(torch.empty(0, dtype=torch.long, device=state.device), None, calls)
         return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls)  # [K'], [K', V]
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [] if x is None else [x]
