@@ -186,3 +186,24 @@ def test_sampled_output_matches_target_distribution_while_switching(tiny_target,
         assert fit.passed(ALPHA), fit
     else:
         assert fit.p_value < 1e-6, fit
+
+
+def test_verify_and_generate_run_auto(tmp_path):
+    """The commands build auto from the loaded models (here off, lookup and the draft model) and run it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from helpers import tiny_model_dir
+    from specchat.cli.main import main
+
+    model = tiny_model_dir(tmp_path / "tiny", sharpen=20.0)
+    common = ["--target", str(model), "--draft", str(model), "--mode", "auto", "--seed", "0", "--dtype", "float32"]
+    r = CliRunner().invoke(main, ["verify", *common, "-n", "40", "--format", "json"], catch_exceptions=False)
+    report = json.loads(r.stdout)
+    assert r.exit_code == 0 and report["verdict"] == "pass" and report["max_drafted"] == 4, r.output
+    r = CliRunner().invoke(main, ["generate", *common, "--prompt", "hello", "--max-new-tokens", "40", "--format", "json"],
+                           catch_exceptions=False)
+    summary = json.loads(r.stdout.splitlines()[-1])
+    assert r.exit_code == 0 and summary["mode"] == "auto" and summary["new_tokens"] == 40
+    assert set(summary["rounds_by_mode"]) <= {"off", "lookup", "draft"} and "draft" in summary["rounds_by_mode"]
