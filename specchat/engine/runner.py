@@ -59,7 +59,7 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__} ({kind}) is not a Llama/Qwen2/Qwen3/Mistral decoder"
     inner = getattr(model, "model", None)
     parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "norm", "rotary_emb")]
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if any(p is None for p in parts) or type(head) is not torch.nn.Linear or head.bias is not None:
         return "unexpected module layout"
     if "sliding_attention" in (getattr(config, "layer_types", None) or []) or (kind == "mistral" and getattr(config, "sliding_window", None)):
