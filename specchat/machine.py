@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: `specchat history` (through export) never loads torch
+    import torch
 
 
 def cpu_name() -> str:
@@ -18,6 +20,7 @@ def cpu_name() -> str:
 
 def hardware_info(device: torch.device | str, dtype: torch.dtype | str | None = None) -> dict:
     """The machine, the libraries and the load it was under (one set of keys for exports and bench reports)."""
+    import torch
     import transformers
 
     device = torch.device(device) if isinstance(device, str) and device else device
@@ -49,6 +52,8 @@ def memory_mb(device: torch.device) -> float:
     torch's CPU allocations bypass tracemalloc, so the resident set size is what counts.
     """
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         with open("/proc/self/statm") as f:
@@ -61,4 +66,6 @@ def memory_mb(device: torch.device) -> float:
 
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.reset_peak_memory_stats(device)

@@ -17,11 +17,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import platformdirs
-import torch
-from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:  # torch loads only when tensors are stored or read: `specchat history` never needs it
+    import torch
 
 
 def cache_dir() -> Path:
@@ -136,12 +137,16 @@ class TensorStore:
         path = self.folder / f"{key}.safetensors"
         if not path.is_file():
             return None
+        from safetensors.torch import load_file
+
         try:
             return load_file(path)
         except Exception:  # a truncated or foreign file: the caller recomputes
             return None
 
     def save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
         with atomic_path(self.folder / f"{key}.safetensors") as tmp:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 

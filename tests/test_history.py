@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,8 +182,12 @@ def test_generate_puts_the_system_message_before_the_prompt(tiny):
     assert result.exit_code == 1 and "--system needs the chat template" in result.output
 
 
-def test_history_help_does_not_import_torch():
-    code = ("import sys\nfrom specchat.cli.main import main\ntry:\n    main(['history', '--help'], prog_name='specchat')\n"
+@pytest.mark.parametrize("args", [["history", "--help"], ["history"]])
+def test_history_does_not_import_torch(args, tmp_path):
+    """Listing conversations answers at once: neither the command nor reading the files loads torch."""
+    code = (f"import sys\nfrom specchat.cli.main import main\ntry:\n    main({args!r}, prog_name='specchat')\n"
             "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert "List saved conversations" in out.stdout and "NO-TORCH" in out.stderr
+    env = {**os.environ, "SPECCHAT_DATA_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    assert "NO-TORCH" in out.stderr, out.stderr
+    assert ("list saved conversations" if "--help" in args else "no saved conversations") in out.stdout.lower() + out.stderr.lower()
