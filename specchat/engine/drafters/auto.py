@@ -39,7 +39,7 @@ LOOKUP_ARMS = ((6, "lookup≥6"), (3, "lookup3-5"), (0, "lookup2"))  # (shortest
 
 @dataclass
 class Rate:
-    """Exponentially weighted tokens and seconds per round of one mode."""
+    """Exponentially weighted tokens and seconds per round of one arm (a mode; lookup has one per match length)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -120,21 +120,21 @@ class AutoDrafter(Drafter):
         rates = self.rates
         lookup = self.lookup_arm(tokens)
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "lookup" or arm == lookup]
-        for mode in eligible:
-            if rates[mode].rounds < WARMUP:
-                return mode, "measuring every mode first"
-        best = max(eligible, key=lambda m: (rates[m].per_s, m == "off"))
+        for arm in eligible:
+            if rates[arm].rounds < WARMUP:
+                return arm, "measuring every mode first"
+        best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
-        for mode in eligible:
-            if mode != best and self.rounds - rates[mode].last > rates[mode].wait:
-                rates[mode].wait = min(2 * rates[mode].wait, MAX_WAIT)
-                return mode, f"re-measuring {mode}"
+        for arm in eligible:
+            if arm != best and self.rounds - rates[arm].last > rates[arm].wait:
+                rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
+                return arm, f"re-measuring {arm}"
         if self.arm in eligible and rates[self.arm].per_s * (1 + HYSTERESIS) >= rates[best].per_s:
             best = self.arm
         return best, self.explain(best, eligible)
 
     def explain(self, best: str, eligible: list[str]) -> str:
-        others = ", ".join(f"{m} {self.rates[m].per_s:.0f}" for m in eligible if m != best)
+        others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
         return f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
 
     def observe(self, record) -> None:
