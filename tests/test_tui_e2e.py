@@ -92,3 +92,28 @@ def test_next_turn_continues_the_exact_ids_so_the_whole_cache_is_reused(default_
     fresh = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=10)
     list(fresh.complete(prompt))
     assert fresh.turns[0].reply_ids == session.turns[1].reply_ids
+
+
+@pytest.mark.asyncio
+async def test_the_chat_s_default_mode_auto_with_the_default_model(default_model):
+    """What `specchat` opens with: mode auto over off, lookup and the shipped head. The reply is plain greedy's,
+    the head is tried, and the panel says what auto runs."""
+    from specchat.session import Session
+    from test_tui import panel_text
+
+    question = "Name three rivers in Europe."
+    plain = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=40)
+    list(plain.reply(question))
+    session = Session(default_model, mode="auto", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=40)
+    assert set(session.controls.drafter.candidates) == {"off", "lookup", "head"}
+    app = SpecChatApp(session)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.query_one("#prompt", Input).value = question
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.generating and len(session.turns) == 1)
+        await pilot.pause(0.5)  # the panel's next redraw
+        panel = panel_text(app)
+    turn = session.turns[0]
+    assert turn.reply_ids == plain.turns[0].reply_ids
+    assert {"off", "head"} <= {r.mode for r in turn.rounds}
+    assert f"mode auto→{session.controls.drafter.choice}" in panel
