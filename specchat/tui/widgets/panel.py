@@ -174,8 +174,12 @@ class StatsPanel(VerticalScroll, can_focus=False):
         exact = "exact" if snapshot.exact else "APPROXIMATE"
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
         running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
-        line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
-                             (capped, "dim"), ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"), no_wrap=True, overflow="ellipsis")
+        if running:  # one line, cut at the panel's width (the second says why), with exact/APPROXIMATE before the cut
+            line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
+                                 (capped, "dim"), ("  ", ""), (exact, "dim"), ("  ", ""), (how, ""), no_wrap=True, overflow="ellipsis")
+        else:
+            line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"), (capped, "dim"),
+                                 ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
         elif running:
