@@ -192,3 +192,23 @@ async def test_the_panel_says_when_the_drafter_caps_k():
         app.refresh_panel(retake=False)
         await pilot.pause()
         assert "K 4" in screen_text(app) and "drafts ≤" not in screen_text(app)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [(160, 45), (80, 24)])
+async def test_the_panel_says_what_auto_runs_and_never_hides_approximate(size):
+    """Mode auto: the mode line names the mode it runs and the next line why; cut at a narrow panel's width, the
+    cut falls on the sampling settings, never on APPROXIMATE."""
+    from specchat.engine import SamplingParams
+
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=size) as pilot:
+        if size[0] < 100:  # chat and panel take turns below 100 columns
+            await pilot.press("ctrl+t")
+        await pilot.pause()
+        app.snapshot = dataclasses.replace(app.session.snapshot(), mode="auto", choice="head", why="head 22 tok/s vs off 19",
+                                           rule="approx:0.5", exact=False, sampling=SamplingParams(0.7, top_k=40, top_p=0.9))
+        app.refresh_panel(retake=False)
+        await pilot.pause()
+        text = screen_text(app)
+        assert "mode auto→head" in text and "head 22 tok/s vs off 19" in text and "APPROXIMATE" in text

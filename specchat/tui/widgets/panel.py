@@ -131,7 +131,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
     StatsPanel > Vertical { height: auto; }
     StatsPanel .section { color: $primary; text-style: bold; margin-top: 1; }
     /* fixed heights: updates need no layout pass (which would re-measure everything on screen) */
-    StatsPanel #mode-line { height: 2; }
+    StatsPanel #mode-line { height: 2; text-wrap: nowrap; text-overflow: ellipsis; }
     StatsPanel #stats { height: 11; }
     StatsPanel #spark { height: 1; margin-top: 1; }
     StatsPanel #speedup { height: 5; }
@@ -174,12 +174,9 @@ class StatsPanel(VerticalScroll, can_focus=False):
         exact = "exact" if snapshot.exact else "APPROXIMATE"
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
         running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
-        if running:  # one line, cut at the panel's width (the second says why), with exact/APPROXIMATE before the cut
-            line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
-                                 (capped, "dim"), ("  ", ""), (exact, "dim"), ("  ", ""), (how, ""), no_wrap=True, overflow="ellipsis")
-        else:
-            line = Text.assemble(("mode ", "dim"), (mode, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"), (capped, "dim"),
-                                 ("  ", ""), (how, ""), ("  ", ""), (exact, "dim"))
+        # one line, cut at the panel's width (CSS): exact/APPROXIMATE comes before the sampling settings the cut may hide
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
+                             (capped, "dim"), ("  ", ""), (exact, "dim"), ("  ", ""), (how, ""))
         if pending:
             line.append(f"\nswitching to {pending}…", style="italic")
         elif running:
