@@ -479,9 +479,15 @@ def check_mode_distribution(target, drafter, case: str, bug: str | None, *, draw
         wrap, make_rule = CONTROLS[bug]
         drafter, rule = wrap(drafter), make_rule()
     fit, stats = sample_and_fit(target, drafter, SAMPLING_CASES[case], k=3, draws=draws, rule=rule)
+    assert_verdict(fit, stats, 3, bug, record_property)
+
+
+def assert_verdict(fit, stats, k: int, bug: str | None, record_property=None) -> None:
+    """A distribution test's verdict: draft positions 1..K were all used; the exact drafter passes; with `bug`
+    (a control) the same settings fail by far, a q wrong from position 3 exactly there."""
     if record_property is not None:
         record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
+    assert_drafted_up_to(stats, k)
     if bug is None:
         assert fit.passed(ALPHA), fit
     else:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (ALPHA, PROMPT, SAMPLING_CASES, ResampleFromP, WrongTemperatureFrom, assert_drafted_up_to, bigram_draft, run,
+from helpers import (PROMPT, SAMPLING_CASES, ResampleFromP, WrongTemperatureFrom, assert_verdict, bigram_draft, run,
                      sample_and_fit)
 from specchat.engine import SamplingParams
 from specchat.engine.drafters import build_drafter
@@ -180,12 +180,7 @@ def test_sampled_output_matches_target_distribution_while_switching(tiny_target,
     make_draft, make_rule = BUGS[bug] if bug else (ModelDrafter, lambda: None)
     auto = EveryRound({"off": PlainDecoding(), "lookup": LookupDrafter(), "draft": make_draft(draft)})
     fit, stats = sample_and_fit(tiny_target, auto, SAMPLING_CASES[case], k=3, draws=1000, rule=make_rule())
-    record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
-    if bug is None:
-        assert fit.passed(ALPHA), fit
-    else:
-        assert fit.p_value < 1e-6, fit
+    assert_verdict(fit, stats, 3, bug, record_property)
 
 
 def test_verify_and_generate_run_auto(tmp_path):

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from helpers import ALPHA, ReportsWrongQ, assert_drafted_up_to, fit_to_target, run, sample_joint, tiny_llama
+from helpers import ReportsWrongQ, assert_verdict, fit_to_target, run, sample_and_fit, sample_joint, tiny_llama
 from specchat.engine import SamplingParams, TargetState
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.metrics import Stats
@@ -50,15 +50,9 @@ def test_output_still_follows_the_target_distribution(record_property, bug):
         drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
     stats = Stats()
     counts = sample_joint(target, drafter, params, k=3, draws=1500, length=4, generated=4, seed=5, stats=stats)
-    fit = fit_to_target(target, counts, params, 4)
-    record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
     # ids the draft cannot embed come up before the last token in many draws: the next round feeds the stand-in
     assert sum(c for seq, c in counts.items() if any(t >= 36 for t in seq[:3])) > 0.05 * 1500
-    if bug is None:
-        assert fit.passed(ALPHA), fit
-    else:
-        assert fit.p_value < 1e-6 and fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
+    assert_verdict(fit_to_target(target, counts, params, 4), stats, 3, bug, record_property)
 
 
 def test_a_larger_draft_table_is_cut_to_the_target_vocabulary():
@@ -115,18 +109,10 @@ def test_a_restricted_draft_vocabulary_is_what_q_says():
 def test_a_restricted_draft_keeps_the_target_distribution(record_property, bug):
     """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings."""
     target, drafter = restricted_pair()
-    params = SamplingParams(1.0)
     if bug:
         drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
-    stats = Stats()
-    counts = sample_joint(target, drafter, params, k=3, draws=1500, length=4, generated=4, seed=5, stats=stats)
-    fit = fit_to_target(target, counts, params, 4)
-    record_property("p_value", fit.p_value)
-    assert_drafted_up_to(stats, 3)
-    if bug is None:
-        assert fit.passed(ALPHA), fit
-    else:
-        assert fit.p_value < 1e-6, fit
+    fit, stats = sample_and_fit(target, drafter, SamplingParams(1.0), k=3, draws=1500, seed=5)
+    assert_verdict(fit, stats, 3, bug, record_property)
 
 
 def test_draft_vocab_out_of_range_is_refused():
