@@ -67,7 +67,10 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path` (file or directory) to write; on success it replaces `path`."""
+    """Yield a temporary path beside `path` (file or directory) to write; on success it replaces `path`.
+
+    A directory cannot replace a non-empty one: when another process wrote `path` first (two first starts
+    converting the same model at once), its copy is kept and this one dropped: both hold the same content."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")) / path.name
@@ -75,7 +78,11 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield tmp
         if tmp.is_file():
             os.chmod(tmp, path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not (tmp.is_dir() and path.is_dir() and any(path.iterdir())):
+                raise
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 

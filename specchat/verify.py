@@ -10,12 +10,15 @@ tested together, each token placed in a cell by its rank under its own p(. | pre
 statistic; see `pooled_rank_test`). Given the prefixes these tests are independent, so their statistics and
 degrees of freedom add up to one chi-square test; the per-position sums say where a failure comes from.
 
-A chi-square test of many degrees of freedom dilutes a change that shows in one direction only; a wrong rule
-usually moves the output towards tokens the target finds less (or more) likely. So a second, one-degree
-test looks at that direction: the likelihood score sum over every tested token of log p(x) - E_p[log p],
-divided by its standard deviation under the target (a sum of independent terms given the prefixes: ~N(0, 1)
-when the mode is exact). The verdict uses a weighted Bonferroni combination of the two p-values (`combined_p`:
-the chi-square at 3/4 of alpha, the likelihood test at 1/4), so its level stays at most alpha.
+A chi-square test of many degrees of freedom dilutes a change that shows in one direction only, so two
+one-degree tests look in the directions a wrong rule usually takes. The likelihood score: the sum over every
+tested token of log p(x) - E_p[log p], divided by its standard deviation under the target (a sum of independent
+terms given the prefixes: ~N(0, 1) when the mode is exact). The draft direction (`Coverage.add_probs`): a rule
+that lets too much of the draft through moves the output towards the tokens where q exceeds p; the sum over
+every drafted token of every round (not only the first m) of f(x) - E_p[f], f = q / (p + q), computed from the
+loop's own p and q, is a martingale when the rule is exact, so its z is ~N(0, 1) there. The verdict uses a
+weighted Bonferroni combination of the three p-values (`combined_p`: the chi-square at 1/2 of alpha, each z
+test at 1/4), so its level stays at most alpha.
 
 m defaults to K+1 and every draw generates at least K+1 tokens, so the first round can draft all K
 positions and earn the bonus: a bug at any draft position or in the bonus shows.
@@ -26,6 +29,7 @@ of the engine itself use `goodness_of_fit` against a joint enumerated from a tin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter, defaultdict
@@ -187,6 +191,8 @@ def sample_continuations(
     """
     from specchat.engine.loop import generate
 
+    if isinstance(stats, Coverage):  # it also keeps the draft-direction score, from the loop's full p and q
+        controls = dataclasses.replace(controls, on_probs=stats.add_probs)
     counts: Counter = Counter()
     for _ in range(draws):
         if stop is not None and stop.is_set():
@@ -248,8 +254,9 @@ def draw_in_parallel(session, prompt: list[int], engines: int, *, draws: int, le
 
 
 class Coverage:
-    """Collects every round of the draws (a `stats=` for sample_continuations): the statistics, and per draft
-    position how many rounds drafted it where the drafted token lies within the first `tested` tokens."""
+    """Collects every round of the draws (a `stats=` for sample_continuations): the statistics, per draft
+    position how many rounds drafted it where the drafted token lies within the first `tested` tokens, and the
+    draft-direction score (`add_probs`)."""
 
     def __init__(self, tested: int) -> None:
         from specchat.engine.metrics import Stats
@@ -258,11 +265,39 @@ class Coverage:
         self.drafted: Counter = Counter()  # draft position i (1-based) -> rounds that drafted it
         self.max_drafted = 0  # the largest K a round drafted
         self._offset = 0  # tokens of the current draw before this round
+        self.direction_score = 0.0  # sum over drafted emitted tokens of f(x) - E_p[f], f = q / (p + q)
+        self.direction_variance = 0.0  # its variance under the target
+        self.direction_tokens = 0
 
     def merge(self, other: "Coverage") -> None:
         self.stats = self.stats.merge(other.stats)
         self.drafted.update(other.drafted)
         self.max_drafted = max(self.max_drafted, other.max_drafted)
+        self.direction_score += other.direction_score
+        self.direction_variance += other.direction_variance
+        self.direction_tokens += other.direction_tokens
+
+    def add_probs(self, new: list[int], p: torch.Tensor, q: torch.Tensor) -> None:
+        """One round's emitted tokens with the loop's own p [K+1, V] and q [K, V] (the draft-direction test).
+
+        Every emitted token that had a draft (accepted or resampled; not the bonus) adds f(x) - E_p[f] with
+        f = q / (p + q), a bounded, increasing function of q(x) / p(x). When the rule is exact each token follows
+        p(. | everything before it) and f is fixed before it is drawn, so the sum is a martingale: mean 0,
+        variance the sum of Var_p(f). A rule that lets too much of the draft through (lossy acceptance,
+        resampling from p instead of the residual) moves every such token towards where q exceeds p, so this one
+        direction adds up over every token of every round, not only the first few tested by the chi-square test.
+        """
+        m = min(len(new), q.shape[0])
+        if m == 0:
+            return
+        pm, qm = p[:m].double(), q[:m].double()  # [m, V]
+        total = pm + qm
+        f = torch.where(total > 0, qm / total.clamp_min(torch.finfo(total.dtype).tiny), 0.5)  # [m, V]
+        mean = (pm * f).sum(-1)  # [m]
+        drawn = f[torch.arange(m, device=f.device), torch.tensor(new[:m], device=f.device)]  # [m]
+        self.direction_score += float((drawn - mean).sum())
+        self.direction_variance += float(((pm * f**2).sum(-1) - mean**2).clamp_min(0.0).sum())
+        self.direction_tokens += m
 
     def add(self, record) -> None:
         self.stats.add(record)
@@ -399,13 +434,15 @@ def normal_two_sided(z: float) -> float:
     return math.erfc(abs(z) / math.sqrt(2))
 
 
-CHI2_SHARE = 0.75  # of alpha: the chi-square test is the main test, the likelihood score test gets the rest
+# Shares of alpha (a weighted Bonferroni combination, so the level stays at most alpha): the chi-square test is
+# the broad one; the likelihood and draft-direction tests each look in one direction a wrong rule usually takes.
+CHI2_SHARE, LIKELIHOOD_SHARE, DIRECTION_SHARE = 0.5, 0.25, 0.25
 
 
-def combined_p(chi2_p: float, likelihood_p: float) -> float:
-    """Weighted Bonferroni: reject at alpha when the chi-square rejects at 3/4 alpha or the likelihood test at
-    1/4 alpha (both test the same draws, so their p-values are not combined as independent)."""
-    return min(1.0, chi2_p / CHI2_SHARE, likelihood_p / (1 - CHI2_SHARE))
+def combined_p(chi2_p: float, likelihood_p: float, direction_p: float = 1.0) -> float:
+    """Reject at alpha when any test rejects at its share of alpha (they test the same draws, so their
+    p-values are not combined as independent)."""
+    return min(1.0, chi2_p / CHI2_SHARE, likelihood_p / LIKELIHOOD_SHARE, direction_p / DIRECTION_SHARE)
 
 
 def conditional_tests(sequences: Counter, target: TargetConditionals, depth: int) -> tuple[list[dict], float, float]:
@@ -525,11 +562,14 @@ def run_verify(
         positions, tv, z = conditional_tests(sequences, target, depth)
         statistic, dof = sum(p["statistic"] for p in positions), sum(p["dof"] for p in positions)
         result = ChiSquare(statistic, dof, chi2_sf(statistic, dof), sum(p["cells"] for p in positions))
-        p_value = combined_p(result.p_value, normal_two_sided(z)) if dof else 1.0
+        dz = likelihood_z(coverage.direction_score, coverage.direction_variance)
+        p_value = combined_p(result.p_value, normal_two_sided(z), normal_two_sided(dz)) if dof else 1.0
         description = (f"the first {depth} tokens against the target's exact conditionals: chi-square goodness of fit "
                        f"(per prefix, rarer prefixes pooled by rank; cells pooled to expected >= {MIN_EXPECTED:g}) and "
-                       "likelihood score (z of sum log p(x) - E_p[log p]), combined: chi-square at 3/4 alpha or likelihood at 1/4")
+                       "likelihood score (z of sum log p(x) - E_p[log p]); every drafted token of every round: draft "
+                       "direction (z of sum f(x) - E_p[f], f = q / (p + q)); combined: chi-square at 1/2 alpha, each z at 1/4")
         reference = {"chi2_p_value": result.p_value, "likelihood_z": z, "likelihood_p": normal_two_sided(z),
+                     "direction_z": dz, "direction_p": normal_two_sided(dz), "direction_tokens": coverage.direction_tokens,
                      "prefixes_tested": sum(p["prefixes"] for p in positions), "target_forwards": target.forwards}
     else:
         if progress:

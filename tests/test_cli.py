@@ -55,8 +55,10 @@ def test_verify_passes_for_draft_mode(default_dir):
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["verdict"] == "pass" and report["exact"] is True and report["samples"] == 60 and report["p_value"] >= report["alpha"]
-    # the verdict's p-value is the weighted Bonferroni of the chi-square (3/4 of alpha) and the likelihood test (1/4)
-    assert report["p_value"] == pytest.approx(min(1.0, report["chi2_p_value"] / 0.75, report["likelihood_p"] / 0.25))
+    # the verdict's p-value is the weighted Bonferroni of the chi-square (1/2 of alpha), the likelihood and the
+    # draft-direction tests (1/4 each)
+    assert report["p_value"] == pytest.approx(
+        min(1.0, report["chi2_p_value"] / 0.5, report["likelihood_p"] / 0.25, report["direction_p"] / 0.25))
     assert report["tokens"] == report["generated"] == 5 and [p["position"] for p in report["positions"]] == [1, 2, 3, 4, 5]
     assert report["max_drafted"] == 4 and min(report["drafted_per_position"]) > 0  # every draft position was tested
 

@@ -77,3 +77,15 @@ def test_write_is_atomic_the_old_file_survives_a_failed_write(tmp_path, monkeypa
     monkeypatch.undo()
     write_atomic(path, "new")
     assert path.read_text() == "new" and path.stat().st_mode == mode
+
+
+def test_a_directory_written_first_by_another_process_is_kept(tmp_path):
+    """Two first starts converting the same model at once: the second finds the folder there and keeps it."""
+    out = tmp_path / "model"
+    with store.atomic_path(out) as mine:
+        mine.mkdir()
+        (mine / "config.json").write_text("mine")
+        with store.atomic_path(out) as theirs:  # the other process finishes first
+            theirs.mkdir()
+            (theirs / "config.json").write_text("theirs")
+    assert (out / "config.json").read_text() == "theirs" and os.listdir(tmp_path) == ["model"]

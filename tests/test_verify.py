@@ -9,7 +9,7 @@ of the residual changes the output by about TV(p, q) * TV(p, residual), which is
 over-confident on the target's top token and small when it is under-confident; a q that ignores top-k only
 matters when the draft has mass outside its top k (an under-confident draft). Each bug is measured where
 it changes the output, at verify's defaults: DEFAULT_SAMPLES draws, K+1 tokens, alpha 0.01 (the chi-square
-test at 3/4 of it, the likelihood score test at 1/4).
+test at 1/2 of it, the likelihood score and draft-direction tests at 1/4 each).
 
 Measured with more runs than asserted here (50 per bug, 100 per exact setting, n = 100): every bug below
 failed 50 of 50; the exact rule passed 199 of 200. At n = 80 the top-k bugs fail in 38-39 of 40, so the
@@ -41,10 +41,12 @@ from specchat.engine.sampling import logits_to_probs
 from specchat.verify import (
     DEFAULT_ALPHA,
     DEFAULT_SAMPLES,
+    Coverage,
     TargetConditionals,
     combined_p,
     fit_next_token,
     goodness_of_fit,
+    likelihood_z,
     pooled_rank_test,
     run_verify,
 )
@@ -160,10 +162,42 @@ def test_a_failure_says_where(peaked_target, drafts):
     assert r["likelihood_z"] < -3  # the wrong bonus is a token the target finds unlikely there
 
 
-def test_the_two_tests_share_alpha():
-    """The chi-square test gets 3/4 of alpha, the likelihood score test 1/4: the level stays alpha."""
-    assert combined_p(0.006, 1.0) == pytest.approx(0.008) and combined_p(1.0, 0.002) == pytest.approx(0.008)
-    assert combined_p(0.9, 0.9) == 1.0
+def test_the_three_tests_share_alpha():
+    """The chi-square test gets 1/2 of alpha, the likelihood and draft-direction tests 1/4 each: the level stays alpha."""
+    assert combined_p(0.004, 1.0, 1.0) == pytest.approx(0.008)
+    assert combined_p(1.0, 0.002, 1.0) == pytest.approx(0.008) and combined_p(1.0, 1.0, 0.002) == pytest.approx(0.008)
+    assert combined_p(0.9, 0.9, 0.9) == 1.0 and combined_p(0.9, 0.9) == 1.0
+
+
+def lenient_output(p: torch.Tensor, q: torch.Tensor, lam: float) -> torch.Tensor:
+    """The exact output distribution of one draft position under LenientRule(lam): accepted mass min(q, p / lam),
+    the rest from normalize(max(0, p - lam q))."""
+    accepted = torch.minimum(q, p / lam)
+    residual = (p - lam * q).clamp_min(0)
+    return accepted + (1 - accepted.sum()) * residual / residual.sum()
+
+
+def direction_z(rounds: int, seed: int, lam: float | None) -> float:
+    """Coverage's draft-direction z over `rounds` synthetic rounds of 3 drafted positions (V = 50): tokens drawn
+    from p (lam None), or from the lenient rule's output."""
+    g = torch.Generator().manual_seed(seed)
+    cov = Coverage(tested=4)
+    for _ in range(rounds):
+        p = torch.softmax(torch.randn(4, 50, generator=g) * 2.5, -1)  # [K+1, V]
+        q = torch.softmax(torch.randn(3, 50, generator=g) * 2.5, -1)  # [K, V]
+        out = p[:3] if lam is None else torch.stack([lenient_output(p[i], q[i], lam) for i in range(3)])
+        cov.add_probs(torch.multinomial(out, 1, generator=g)[:, 0].tolist(), p, q)
+    assert cov.direction_tokens == 3 * rounds
+    return likelihood_z(cov.direction_score, cov.direction_variance)
+
+
+def test_the_draft_direction_statistic_is_standard_normal_when_exact_and_large_when_lenient():
+    """Model-free: tokens drawn from p give z ~ N(0, 1) (mean and spread over 40 runs); the lossy rule at
+    lambda 0.5 shifts it far to the positive side (towards the draft) in 400 rounds."""
+    exact = torch.tensor([direction_z(100, seed, None) for seed in range(40)])
+    assert abs(float(exact.mean())) < 0.5 and 0.7 < float(exact.std()) < 1.4, exact
+    lenient = [direction_z(400, seed, 0.5) for seed in range(5)]
+    assert min(lenient) > 4, lenient
 
 
 # ---------------------------------------------------------------- parallel engines (what the CLI runs on a CPU)
@@ -224,6 +258,7 @@ def test_an_approximate_rule_gets_its_p_value(peaked_target, drafts):
     r = verify(peaked_target, ModelDrafter(drafts["under"]), T1, seed=0, rule=LenientRule(0.3))
     assert r["verdict"] == "approximate" and r["exact"] is False
     assert r["p_value"] < DEFAULT_ALPHA and 0 <= r["total_variation"] <= 1  # lambda 0.3 is far from exact
+    assert r["direction_z"] > 3 and r["direction_tokens"] >= DEFAULT_SAMPLES * K  # the output leans towards the draft
 
 
 def test_short_tests_still_draft_every_position(peaked_target, drafts):

@@ -75,7 +75,8 @@ def print_verify(r: dict) -> None:
     if r["test_kind"] == "target":
         console.print(
             f"against the target's exact probabilities: chi-square X2={r['statistic']:.2f}, dof={r['dof']}, p={r['chi2_p_value']:.4g}; "
-            f"likelihood score z={r['likelihood_z']:.2f}, p={r['likelihood_p']:.4g}; combined p={r['p_value']:.4g}"
+            f"likelihood score z={r['likelihood_z']:.2f}, p={r['likelihood_p']:.4g}; draft direction z={r['direction_z']:.2f} "
+            f"({r['direction_tokens']} drafted tokens), p={r['direction_p']:.4g}; combined p={r['p_value']:.4g}"
         )
         cells = "  ".join(
             f"{p['position']}: p={p['combined_p']:.3g} (dof {p['dof']}, z {p['likelihood_z']:.1f}, {p['draws'] + p['pooled_draws']} draws)"

@@ -54,6 +54,9 @@ class Controls:
     baseline: Drafter | None = None
     baseline_every: int = 0
     rounds_since_baseline: int = 0  # counted across generations, so short replies get plain rounds too
+    # called every round with (emitted ids, p [K+1, V], q [K, V]): verify's draft-direction test reads the full
+    # distributions there; None for everyone else (the loop then spends nothing on it)
+    on_probs: Callable[[list[int], torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def mode(self) -> str:
@@ -142,6 +145,8 @@ def generate(
             stop_reason = stop_reason or ("max_new_tokens" if limit == max_new_tokens else "context")
         state.commit(new)
         t2 = clock(state.device)
+        if controls.on_probs is not None:
+            controls.on_probs(new, p, q)
 
         record = RoundRecord(
             index=round_index,
