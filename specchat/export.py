@@ -78,6 +78,7 @@ def session_data(session) -> dict:
         "device": session.device_label,
         "dtype": session.dtype_label,
         "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
+        "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
         "hardware": hardware_info(session.device_label, session.dtype_label),
         "mode": snapshot.mode,
         "draft_len": snapshot.k,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.store import atomic_path, models_dir
+from specchat.store import atomic_path, cache_dir, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -212,6 +212,10 @@ def load_model(
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu":  # the lean runner's float32 matmuls for a few positions (engine/smallbatch.py)
+        from specchat.engine import smallbatch
+
+        smallbatch.load(cache_dir() / "kernels")
     logging.getLogger(__name__).debug("loaded %s on %s as %s", name, device, dtype)
     return LoadedModel(model, tokenizer, name)
 

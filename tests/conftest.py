@@ -22,6 +22,13 @@ from helpers import tiny_llama
 # two OpenMP threads spin-wait for each other (measured: a SmolLM2 step 20x slower under load).
 torch.set_num_threads(1)
 
+# The lean runner's float32 matmuls run through the fused kernel wherever it builds, in every test (as they do
+# for every model load_model returns), not only in the tests that load a model from disk.
+from specchat.engine import smallbatch  # noqa: E402
+from specchat.store import cache_dir  # noqa: E402
+
+smallbatch.load(cache_dir() / "kernels")
+
 
 @pytest.fixture(scope="session")
 def tiny_target():

@@ -56,6 +56,7 @@ def generate(prompt, raw, fmt, **opts):
     summary = {
         **config_summary(session),
         "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
+        "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
         "exact": turn.stats.exact,
         "prompt_tokens": turn.prompt_tokens,
         "stop_reason": "interrupted" if interrupted else turn.stop_reason,
@@ -90,7 +91,8 @@ def summary_lines(s: dict) -> list[list[str]]:
     sampling = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top-k={s['top_k']} top-p={s['top_p']:g} seed={s['seed']}"
     return [
         [f"[b]{s['mode']}[/b]" + (f" K={s['draft_len']}" if s["mode"] != "off" else ""), f"target={s['target']}",
-         *([f"draft={s['draft']}"] if s["draft"] else []), f"{s['device']}/{s['dtype']} {s['threads']} thread{'s' if s['threads'] != 1 else ''}", sampling,
+         *([f"draft={s['draft']}"] if s["draft"] else []), f"{s['device']}/{s['dtype']} {s['threads']} thread{'s' if s['threads'] != 1 else ''}"
+         + (f" runner {s['runner']}" + (" (fused kernel)" if s.get("kernel") == "fused" else "") if "runner" in s else ""), sampling,
          *([] if s["exact"] else ["[b red]APPROXIMATE (exact: false)[/]"])],
         *([[f"rounds by mode: {', '.join(f'{m} {n}' for m, n in s['rounds_by_mode'].items())}"]] if s["mode"] == "auto" else []),
         [f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})",

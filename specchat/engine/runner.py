@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.engine.cache import CHUNK, KVCache
+from specchat.engine.smallbatch import linear
 
 FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at init (dynamic and longrope change with length)
@@ -230,7 +231,7 @@ class Runner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, S, D] -> [S, V]: final norm and LM head."""
-        return F.linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0]
+        return linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], layer_ids: Iterable[int], cache: KVCache | None, past: int, keep: int = 1) -> torch.Tensor:
@@ -267,7 +268,7 @@ def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torc
     _, S, _ = h.shape  # [1, S, D]
     H, Hkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
     x = rms_norm(h, b.ln1, b.eps)
-    qkv = F.linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
+    qkv = linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
     qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [1, S, H + H_kv, hd], [1, S, H_kv, hd]
     if b.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
         qk = torch.cat([rms_norm(qk[:, :, :H], b.q_norm, b.qk_eps), rms_norm(qk[:, :, H:], b.k_norm, b.qk_eps)], dim=2)
@@ -284,10 +285,10 @@ def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torc
     else:  # a chunk with no past: plain causal
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale, enable_gqa=s.n_rep > 1)
     out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
-    h = h + F.linear(out, b.o_w, b.o_b)
+    h = h + linear(out, b.o_w, b.o_b)
     x = rms_norm(h, b.ln2, b.eps)
-    gate, up = F.linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
-    return h + F.linear(b.act(gate) * up, b.down_w, b.down_b)
+    gate, up = linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
+    return h + linear(b.act(gate) * up, b.down_w, b.down_b)
 
 
 def lean_runner(model) -> Runner | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specchat.engine.cache import CHUNK, common_prefix, crop_to, forward_logits, new_cache
+from specchat.engine import smallbatch
 from specchat.engine.runner import Runner, lean_runner
 
 
@@ -48,6 +49,14 @@ class TargetState:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def kernel(self) -> str:
+        """What the target's forwards multiply with: "fused" (engine/smallbatch.py: the lean runner in float32 on
+        a CPU, up to 8 positions at a time) or "torch"."""
+        if self.lean is None or self.device.type != "cpu" or self.lean.dtype != torch.float32:
+            return "torch"
+        return smallbatch.kernel_name()
 
     @property
     def past(self) -> int:

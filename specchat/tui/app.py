@@ -100,7 +100,8 @@ class SpecChatApp(App):
         self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
         self._setup_themes(theme, theme_dirs)
         draft = f" + {session.draft.name}" if session.draft is not None else ""
-        where = " ".join(x for x in (session.device_label, session.dtype_label) if x)
+        kernel = "fused kernel" if getattr(session.state, "kernel", "torch") == "fused" else None
+        where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
         self.sub_title = f"{session.target.name}{draft}" + (f" · {where}" if where else "")
 
     # ------------------------------------------------------------------ setup

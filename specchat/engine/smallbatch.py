@@ -1,0 +1,107 @@
+"""The fused small-batch linear (kernels/smallbatch.c) for the lean runner's float32 forwards on the CPU.
+
+A verify feeds K+1 <= 8 positions; PyTorch's GEMM reads the weights at 1.6-2x the cost of a one-row step for
+4-8 rows, the kernel reads them once for all rows (see its header). `load(folder)` compiles it once per
+machine with the system's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into `folder` (the user
+cache: models.load_model passes it, the engine knows no folders) and loads it with ctypes, which releases the
+GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
+where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 8
+SOURCE = Path(__file__).with_name("kernels") / "smallbatch.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+enabled = os.environ.get("SPECCHAT_KERNEL", "fused") != "torch"  # benchmarks flip it to compare in one process
+_lib: ctypes.CDLL | None = None
+_fn = None  # its smallbatch_linear
+_lock = threading.Lock()
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the CPU's model and flags where Linux tells them."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "\n".join([line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2])
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(folder: Path) -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_key().encode()).hexdigest()[:12]
+    path = folder / f"smallbatch-{key}.so"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".smallbatch-", suffix=".so")
+        os.close(fd)
+        try:
+            subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, path)  # another process building the same file at once replaces it with the same bytes
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def load(folder: Path) -> bool:
+    """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
+    global _lib, _fn
+    with _lock:
+        if _fn is None:
+            try:
+                path = _build(Path(folder))
+            except (OSError, subprocess.SubprocessError):
+                path = None
+            if path is None:
+                return False
+            lib = ctypes.CDLL(str(path))
+            fn = lib.smallbatch_linear
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+            _lib, _fn = lib, fn
+    return True
+
+
+def kernel_name() -> str:
+    """What the lean runner's float32 CPU forwards multiply with: "fused" or "torch"."""
+    return "fused" if enabled and _fn is not None else "torch"
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear` takes the kernel for x [..., S, D] (at most MAX_ROWS rows in all) and w [N, D]."""
+    return (
+        enabled and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+        and 1 <= x.numel() // x.shape[-1] <= MAX_ROWS and w.is_contiguous() and not torch.is_grad_enabled()
+        and _fn is not None
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself."""
+    if not usable(x, w):
+        return F.linear(x, w, b)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
+    S, D = x2.shape
+    N = w.shape[0]
+    y = torch.empty(S, N, dtype=torch.float32)
+    bias = b.contiguous().data_ptr() if b is not None else None
+    _fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
+    return y.view(*x.shape[:-1], N)

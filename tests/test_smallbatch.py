@@ -1,0 +1,93 @@
+"""The fused small-batch linear (engine/smallbatch.py): F.linear's result, the same for a row whatever the
+batch, and F.linear itself wherever the kernel does not apply or cannot be built."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specchat.engine import smallbatch
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+@needs_compiler
+def test_the_kernel_builds_where_there_is_a_compiler():
+    """conftest loads it for the whole suite, as load_model does for every model on a CPU."""
+    assert smallbatch.kernel_name() == "fused"
+
+
+@needs_compiler
+@pytest.mark.parametrize("n, d", [(3072, 576), (576, 1536), (100, 37), (7, 16)], ids=["gate-up", "down", "odd sizes", "tiny"])
+def test_matches_f_linear(n, d):
+    g = torch.Generator().manual_seed(n + d)
+    w, b = torch.randn(n, d, generator=g), torch.randn(n, generator=g)
+    with torch.inference_mode():
+        for rows in range(1, smallbatch.MAX_ROWS + 1):
+            x = torch.randn(1, rows, d, generator=g)
+            for bias in (None, b):
+                assert smallbatch.usable(x, w)
+                got, want = smallbatch.linear(x, w, bias), F.linear(x, w, bias)
+                assert got.shape == want.shape
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@needs_compiler
+def test_a_row_does_not_depend_on_the_batch_or_the_threads():
+    """Summed in one order whatever S: a verify's logits for a position are plain decoding's, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1000, 576, generator=g), torch.randn(1, smallbatch.MAX_ROWS, 576, generator=g)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        full = smallbatch.linear(x, w)
+        assert all(torch.equal(smallbatch.linear(x[:, i : i + 1], w)[0, 0], full[0, i]) for i in range(x.shape[1]))
+        assert all(torch.equal(smallbatch.linear(x[:, :s], w), full[:, :s]) for s in range(1, x.shape[1]))
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(smallbatch.linear(x, w), full)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_elsewhere_it_is_f_linear(monkeypatch):
+    """More rows than the kernel takes, another dtype, autograd (the draft head trains through the runner's
+    layers) or switched off: F.linear, exactly."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 32, generator=g)
+    with torch.inference_mode():
+        x = torch.randn(1, smallbatch.MAX_ROWS + 1, 32, generator=g)
+        assert not smallbatch.usable(x, w) and torch.equal(smallbatch.linear(x, w), F.linear(x, w))
+        x16, w16 = torch.randn(1, 3, 32, generator=g).bfloat16(), w.bfloat16()
+        assert not smallbatch.usable(x16, w16) and torch.equal(smallbatch.linear(x16, w16), F.linear(x16, w16))
+    x = torch.randn(1, 3, 32, generator=g)
+    wg = w.clone().requires_grad_(True)
+    y = smallbatch.linear(x, wg)
+    assert not smallbatch.usable(x, wg) and y.requires_grad  # differentiable: F.linear
+    monkeypatch.setattr(smallbatch, "enabled", False)
+    with torch.inference_mode():
+        assert smallbatch.kernel_name() == "torch" and torch.equal(smallbatch.linear(x, w), F.linear(x, w))
+
+
+def test_no_compiler_means_torch(monkeypatch, tmp_path):
+    """A machine without a working C compiler runs F.linear and says so; nothing is left in the folder."""
+    monkeypatch.setattr(smallbatch, "_fn", None)
+    monkeypatch.setattr(smallbatch, "_lib", None)
+    monkeypatch.setenv("CC", "false")
+    assert smallbatch.load(tmp_path / "kernels") is False and smallbatch.kernel_name() == "torch"
+    x, w = torch.randn(1, 3, 16), torch.randn(8, 16)
+    with torch.inference_mode():
+        assert not smallbatch.usable(x, w) and torch.equal(smallbatch.linear(x, w), F.linear(x, w))
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+@needs_compiler
+def test_a_fresh_build_loads(monkeypatch, tmp_path):
+    """Compiled into an empty folder (a first start), loaded, and used."""
+    monkeypatch.setattr(smallbatch, "_fn", None)
+    monkeypatch.setattr(smallbatch, "_lib", None)
+    assert smallbatch.load(tmp_path) is True and smallbatch.kernel_name() == "fused"
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary file left
+    x, w = torch.randn(1, 5, 40), torch.randn(24, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(smallbatch.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
