@@ -37,11 +37,7 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
                                                        long N, long D, const int S, const int R) {
     long n = n0;
     for (; n + R <= n1; n += R) {
-        vec acc[4][8];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-            for (int s = 0; s < S; s++) acc[r][s] = (vec){0};
+        vec acc[4][8] = {0}; /* only [R][S] are used */
         long d = 0;
         for (; d + LANES <= D; d += LANES) {
             vec wv[4];
