@@ -64,6 +64,22 @@ def test_draft_shares_weights_and_target_is_untouched(rough_target):
         assert torch.equal(p, before[n]), n
 
 
+def test_the_draft_runs_on_the_lean_runner_with_its_own_mlps(rough_target):
+    """MLP projections only (the default): the target's runner with the copy's MLPs, and its logits are the
+    copy's own HF forward's. Attention projections factored too: the copy keeps HF's forward."""
+    drafter = build_drafter("lowrank", rough_target, rank=2, calibration=32)
+    lean = drafter.lean
+    assert lean is not None and all(b.mlp is drafter.model.model.layers[i].mlp for i, b in enumerate(lean.blocks))
+    assert all(b.mlp is None for b in TargetState(rough_target).lean.blocks)  # the target's own runner is untouched
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        mine = lean.forward(ids, range(lean.n_layers), None, 0, keep=len(ids))
+        hf = drafter.model(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(mine, hf, rtol=1e-4, atol=1e-4)
+    with_attention = build_drafter("lowrank", rough_target, rank=2, calibration=32, lowrank_targets=("q_proj", "down_proj"))
+    assert with_attention.lean is None
+
+
 def lowrank_drafter(model, **options):
     """As a session builds it: tuned rank, factors kept in the user cache."""
     return build_drafter("lowrank", model, **drafter_options(model, "lowrank", options))

@@ -24,6 +24,8 @@ serve the self-speculative drafters (layerskip, earlyexit) and tune; they have D
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -133,6 +135,7 @@ class Block:
     down_w: torch.Tensor  # [D, I]
     down_b: torch.Tensor | None
     act: object  # the MLP's own activation module
+    mlp: object = None  # when set, a module that replaces gate/up/down (a low-rank draft's MLP, drafters/lowrank.py)
 
 
 class Runner:
@@ -180,6 +183,13 @@ class Runner:
             down_b=mlp.down_proj.bias,
             act=mlp.act_fn,
         )
+
+    def with_mlps(self, mlps: dict[int, torch.nn.Module]) -> "Runner":
+        """This runner with layer i's MLP replaced by mlps[i] (a module over [1, S, D]); every other weight, and the
+        RoPE tables, shared. A low-rank draft runs this way instead of through HF's forward."""
+        other = copy.copy(self)
+        other.blocks = [dataclasses.replace(b, mlp=mlps[i]) if i in mlps else b for i, b in enumerate(self.blocks)]
+        return other
 
     # ------------------------------------------------------------ state
     def new_cache(self) -> KVCache:
@@ -287,6 +297,8 @@ def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torc
     out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
     h = h + linear(out, b.o_w, b.o_b)
     x = rms_norm(h, b.ln2, b.eps)
+    if b.mlp is not None:
+        return h + b.mlp(x)
     gate, up = linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
     return h + linear(b.act(gate) * up, b.down_w, b.down_b)
 

@@ -8,8 +8,10 @@ computed once per model and rank; given a `factor_store` (the session passes one
 they are kept across runs.
 
 The draft model is a structural copy of the target that shares every parameter except the
-replaced layers, with its own KV cache re-synced to `state.tokens` (ModelDrafter). Extra memory:
-the factors and the draft KV cache.
+replaced layers, with its own KV cache re-synced to `state.tokens` (ModelDrafter). Where the target runs on
+the lean runner and only MLP projections are factored (the default), the draft runs on that runner with the
+copy's MLP modules swapped in (`Runner.with_mlps`, `lean_draft`) instead of HF's forward. Extra memory: the
+factors and the draft KV cache.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
+from specchat.engine.runner import Runner, lean_runner
 
 FORMAT = 2  # bump when the factorisation changes: old cache files are then ignored
 DEFAULT_RANK = 0.7  # when nothing is tuned; on SmolLM2-135M lower ranks keep almost no greedy agreement (benchmarks/RESULTS.md)
@@ -183,6 +186,16 @@ def low_rank_copy(model, chosen: dict, calibration: int = CALIBRATION_TOKENS, st
     return draft.eval(), extra
 
 
+def lean_draft(target, draft, chosen) -> Runner | None:
+    """The target's lean runner with the factored layers' MLPs taken from the draft copy, when only MLP projections
+    are factored (the default) and the target runs lean; else None (the copy keeps HF's forward)."""
+    runner = lean_runner(target)
+    if runner is None or any(name.rsplit(".", 1)[-1] not in ("gate_proj", "up_proj", "down_proj") for name in chosen):
+        return None
+    layers = sorted({int(name.split(".")[2]) for name in chosen})  # "model.layers.<i>.mlp.<proj>"
+    return runner.with_mlps({i: draft.model.layers[i].mlp for i in layers})
+
+
 class LowRankDrafter(CopyDrafter):
     name = "lowrank"
 
@@ -203,10 +216,10 @@ class LowRankDrafter(CopyDrafter):
         if not chosen:
             raise ModeUnavailable(f"--rank {rank!r} factors no layer (at full rank every layer keeps its weights)")
         model, extra = low_rank_copy(target, chosen, calibration, factor_store)
-        return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen))
+        return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen), lean=lean_draft(target, model, chosen))
 
-    def __init__(self, model, *, rank, extra_bytes: int = 0, n_factored: int = 0) -> None:
-        super().__init__(model)
+    def __init__(self, model, *, rank, extra_bytes: int = 0, n_factored: int = 0, lean: Runner | None = None) -> None:
+        super().__init__(model, lean=lean)
         self.rank, self.n_factored = rank, n_factored
         self.weight_bytes = extra_bytes
 
