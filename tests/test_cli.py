@@ -50,19 +50,6 @@ def test_generate_raw_plain_mode():
     assert summary["prompt_tokens"] == 5  # no chat template around it
 
 
-def test_verify_passes_for_draft_mode(default_dir):
-    r = invoke("verify", "--draft", default_dir, "-n", 60, "--seed", 0, "--format", "json")
-    assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
-    assert report["verdict"] == "pass" and report["exact"] is True and report["samples"] == 60 and report["p_value"] >= report["alpha"]
-    # the verdict's p-value is the weighted Bonferroni of the chi-square (1/2 of alpha), the likelihood and the
-    # draft-direction tests (1/4 each)
-    assert report["p_value"] == pytest.approx(
-        min(1.0, report["chi2_p_value"] / 0.5, report["likelihood_p"] / 0.25, report["direction_p"] / 0.25))
-    assert report["tokens"] == report["generated"] == 5 and [p["position"] for p in report["positions"]] == [1, 2, 3, 4, 5]
-    assert report["max_drafted"] == 4 and min(report["drafted_per_position"]) > 0  # every draft position was tested
-
-
 def test_verify_lookup_drafts_on_its_default_prompt():
     """Lookup's default conversation repeats a sentence, so it drafts all K positions from the first round."""
     r = invoke("verify", "--mode", "lookup", "-n", 40, "--seed", 0, "--format", "json")

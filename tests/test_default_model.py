@@ -44,7 +44,7 @@ def test_greedy_draft_mode_matches_hf_generate(smol, noisy_draft, prompt):
     ids = chat_ids(smol, prompt)
     ref = smol.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40)[0, len(ids) :].tolist()
     state = TargetState(smol.model)
-    controls = Controls(ModelDrafter(noisy_draft), k=4, sampling=SamplingParams(0))
+    controls = Controls(ModelDrafter.build(smol.model, noisy_draft), k=4, sampling=SamplingParams(0))  # mode draft's path: lean
     records = list(generate(state, ids, controls, max_new_tokens=40, eos_ids=eos_ids(smol)))
     assert [t.id for r in records for t in r.tokens] == ref
     assert any(r.accepted < r.drafted for r in records)  # the noisy draft was rejected somewhere
@@ -61,7 +61,7 @@ def test_bf16_draft_of_fp32_target(smol):
 
 def test_cache_rollback_after_sampled_rejections(smol, noisy_draft):
     state = TargetState(smol.model)
-    controls = Controls(ModelDrafter(noisy_draft), k=5, sampling=SamplingParams(1.0, top_p=0.9))
+    controls = Controls(ModelDrafter.build(smol.model, noisy_draft), k=5, sampling=SamplingParams(1.0, top_p=0.9))
     records = list(generate(state, chat_ids(smol, PROMPTS[1]), controls, max_new_tokens=30, eos_ids=set(), generator=torch.Generator().manual_seed(0)))
     assert sum(r.drafted - r.accepted for r in records) > 5
     assert state.cache.get_seq_length() == len(state.tokens) - 1

@@ -305,10 +305,17 @@ def broken_exact(monkeypatch):
 def test_cli_verify_passes_the_exact_rule(sharp_model):
     import json
 
-    r = verify_cli(sharp_model, "--format", "json")
+    r = verify_cli(sharp_model, "-n", 60, "--format", "json")
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["verdict"] == "pass" and report["p_value"] >= report["alpha"], r.output
+    assert report["exact"] is True and report["samples"] == 60 and report["mode"] == "draft"
     assert report["max_drafted"] == K and report["acceptance_rate"] > 0.9  # every round drafted and kept all K
+    assert report["tokens"] == report["generated"] == K + 1 and [p["position"] for p in report["positions"]] == [1, 2, 3, 4, 5]
+    assert min(report["drafted_per_position"]) > 0  # every draft position was tested
+    # the verdict's p-value is the weighted Bonferroni of the chi-square (1/2 of alpha), the likelihood and the
+    # draft-direction tests (1/4 each)
+    assert report["p_value"] == pytest.approx(
+        min(1.0, report["chi2_p_value"] / 0.5, report["likelihood_p"] / 0.25, report["direction_p"] / 0.25))
 
 
 def test_cli_verify_reports_fail_and_exits_1_on_a_broken_rule(sharp_model, broken_exact):
