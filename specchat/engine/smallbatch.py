@@ -96,12 +96,12 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself."""
-    if not usable(x, w):
+    if not usable(x, w) or (b is not None and b.dtype != torch.float32):
         return F.linear(x, w, b)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
     S, D = x2.shape
     N = w.shape[0]
     y = torch.empty(S, N, dtype=torch.float32)
-    bias = b.contiguous().data_ptr() if b is not None else None
-    _fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
+    b = b.contiguous() if b is not None else None  # held until the call returns
+    _fn(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)

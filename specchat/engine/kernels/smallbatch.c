@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
     case S_:                                                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")      \
         for (long n0 = 0; n0 < N; n0 += BLOCK)                                                 \
-            rows(x, w, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_));                   \
+            rows(x, w, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_));     \
         return 0;
 
 int smallbatch_linear(const float *x, const float *w, const float *b, float *y, long S, long N, long D, int threads) {
