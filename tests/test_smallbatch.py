@@ -35,7 +35,8 @@ def test_matches_f_linear(n, d):
 
 @needs_compiler
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
-    """Summed in one order whatever S: a verify's logits for a position are plain decoding's, bit for bit."""
+    """Summed in one order whatever S: a position's matmul outputs in a verify are bit for bit those of plain
+    decoding (attention may still round differently between one and several positions)."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(1000, 576, generator=g), torch.randn(1, smallbatch.MAX_ROWS, 576, generator=g)
     threads = torch.get_num_threads()
