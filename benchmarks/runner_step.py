@@ -1,8 +1,8 @@
 """The lean runner (specchat/engine/runner.py) against HF's forward on the default model, interleaved in one process.
 
-1. One step (one token after a 64-token context) and verifies of K+1 = 2, 3, 5, 8, 9 positions on three paths:
+1. One step (one token after a 64-token context) and verifies of K+1 = 2-16 positions on three paths:
    HF's forward, the lean runner with torch's matmuls, and the lean runner with the fused small-batch kernel
-   (engine/smallbatch.py; float32 only, up to 8 rows); v = verify time / that path's one-step time (the v of
+   (engine/smallbatch.py; float32 only, up to 16 rows); v = verify time / that path's one-step time (the v of
    the speedup model).
 2. End to end, greedy, 64 new tokens: HF generate(), specchat plain decoding on the HF path, and on the
    lean runner with either matmul; time to first token and ms/token, with the token ids checked identical to HF's.
@@ -30,7 +30,7 @@ from specchat.machine import cpu_name
 from specchat.models import load_model
 
 CONTEXT = 64
-VERIFY = [2, 3, 5, 8, 9]
+VERIFY = [2, 3, 5, 8, 9, 12, 16]
 PATHS = ("hf", "torch", "fused")  # HF's forward; the lean runner with torch's matmuls; with the fused kernel  # K+1 positions
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -1,7 +1,7 @@
 """The fused small-batch linear (kernels/smallbatch.c) for the lean runner's float32 forwards on the CPU.
 
-A verify feeds K+1 <= 8 positions; PyTorch's GEMM reads the weights at 1.6-2x the cost of a one-row step for
-4-8 rows, the kernel reads them once for all rows (see its header). `load(folder)` compiles it once per
+A verify feeds K+1 positions; PyTorch's GEMM reads the weights at 1.6-2.5x the cost of a one-row step for
+4-16 rows, the kernel reads them once for all of up to 16 rows (see its header). `load(folder)` compiles it once per
 machine with the system's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into `folder` (the user
 cache: models.load_model passes it, the engine knows no folders) and loads it with ctypes, which releases the
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8
+MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("kernels") / "smallbatch.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 

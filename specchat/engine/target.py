@@ -53,7 +53,7 @@ class TargetState:
     @property
     def kernel(self) -> str:
         """What the target's forwards multiply with: "fused" (engine/smallbatch.py: the lean runner in float32 on
-        a CPU, up to 8 positions at a time) or "torch"."""
+        a CPU, up to 16 positions at a time) or "torch"."""
         if self.lean is None or self.device.type != "cpu" or self.lean.dtype != torch.float32:
             return "torch"
         return smallbatch.kernel_name()
