@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     target = tiny_llama(seed=0, layers=1, sharpen=40.0).requires_grad_(False)
     drafts = {"over": bigram_draft(target, scale=3.0), "under": bigram_draft(target, scale=0.5)}
-    cases = {name: spec for name, spec in BROKEN.items()}
+    cases = dict(BROKEN)
     cases["resample from p, under-confident draft"] = ("under", TOP2, lambda d: (ModelDrafter(d), ResampleFromPClaimingExact()))
     cases["approx:0.5 (lossy), over-confident draft"] = ("over", T1, lambda d: (ModelDrafter(d), LenientRule(0.5)))
     cases["approx:0.5 (lossy), under-confident draft"] = ("under", TOP2, lambda d: (ModelDrafter(d), LenientRule(0.5)))
