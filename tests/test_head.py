@@ -139,7 +139,7 @@ def test_training_lowers_the_loss(tiny_target):
     runner = lean_runner(tiny_target)
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, runner.vocab_size, (30,), generator=gen).tolist() for _ in range(6)]
-    data = Data(sequences, [target_features(runner, s) for s in sequences])
+    data = Data(sequences, [target_features(runner, s) for s in sequences], [-1] * 6, [0] * 6)
     trainer = Trainer(SimpleNamespace(model=tiny_target), Recipe(lr=1e-2, noise=0.0), torch.arange(runner.vocab_size), 1.0)
 
     def loss_and_agreement() -> tuple[float, float]:
@@ -218,3 +218,25 @@ def test_the_shipped_head_is_found_for_the_default_model_and_drafts_exactly(smol
     out, records = run(smol.model, drafter, prompt, k=4, params=SamplingParams(0), max_new_tokens=48)
     assert out == plain
     assert max(r.drafted for r in records) == 1 and sum(r.accepted for r in records) > 0  # max_draft 1, and it helps
+
+
+def test_the_data_sampler_draws_softmax_over_t_and_greedy_rows_take_the_argmax():
+    """InverseCDF (train/head.py) samples the training replies: row 0 at T = 0.7 must follow softmax(scores / 0.7)
+    (chi-square over 4000 draws), row 1 at T = 0 the argmax; a sampler ignoring the temperature fails the same test."""
+    from specchat.train.head import InverseCDF
+    from specchat.verify import chi2_sf
+
+    scores = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]] * 2)  # [B=2, V=6]
+    expected = torch.softmax(scores[0] / 0.7, -1) * 4000
+
+    def counts(temperature: float) -> torch.Tensor:
+        sampler = InverseCDF([temperature, 0.0], torch.Generator().manual_seed(1))
+        picks = [sampler(None, scores).argmax(-1) for _ in range(4000)]  # the chosen token keeps score 0, the rest -inf
+        assert all(int(p[1]) == 5 for p in picks)
+        return torch.bincount(torch.stack([p[0] for p in picks]), minlength=6).double()
+
+    def p_value(observed: torch.Tensor) -> float:
+        return chi2_sf(float(((observed - expected) ** 2 / expected).sum()), 5)
+
+    assert p_value(counts(0.7)) > ALPHA
+    assert p_value(counts(1.0)) < ALPHA  # T = 1 instead of 0.7: rejected
