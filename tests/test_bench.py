@@ -239,3 +239,12 @@ def test_builtin_prompts_cover_the_workload():
 
     kinds = {p["kind"] for p in read_prompts("builtin")}
     assert {"chat", "code", "summarise", "repetition"} <= kinds
+
+
+def test_mode_options_are_json(tmp_path):
+    """`bench --head FILE` wrote its options into results.json: a Path there made the report crash after the runs."""
+    from specchat.cli.options import mode_settings
+
+    (tmp_path / "h.safetensors").write_bytes(b"")
+    settings = mode_settings({"head_file": str(tmp_path / "h.safetensors"), "skip_layers": "3,4", "exit_layer": 2})
+    assert json.loads(json.dumps(settings))["head_file"] == str(tmp_path / "h.safetensors")

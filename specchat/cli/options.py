@@ -213,7 +213,7 @@ def mode_settings(opts: dict) -> dict:
         path = Path(opts["head_file"]).expanduser()
         if not path.with_suffix(".safetensors").is_file():
             raise UserError(f"--head {opts['head_file']}: no such file")
-        out["head_file"] = path
+        out["head_file"] = str(path)  # a string: bench writes these options into results.json
     if opts.get("exit_layer") is not None:
         out["exit_layer"] = opts["exit_layer"]
     if opts.get("draft_vocab") is not None:

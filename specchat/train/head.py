@@ -69,7 +69,7 @@ class Recipe:
     text_share: float = 0.25  # of the data time: teacher-forced text (the Python standard library's docstrings)
     max_new_tokens: int = 160
     batch: int = 128  # replies generated together (CPU, SmolLM2: 32 -> 128 rows raised generate's tokens/s ~2.4x)
-    temperature: float = 0.8  # for the sampled half of the replies
+    temperature: float = 0.8  # for the sampled two thirds of the replies
     seqs_per_step: int = 4  # sequences per optimizer step (gradient accumulation)
     max_len: int = 384
     lr: float = 1e-3
