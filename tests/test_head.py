@@ -240,3 +240,21 @@ def test_the_data_sampler_draws_softmax_over_t_and_greedy_rows_take_the_argmax()
 
     assert p_value(counts(0.7)) > ALPHA
     assert p_value(counts(1.0)) < ALPHA  # T = 1 instead of 0.7: rejected
+
+
+def test_padding_the_training_rows_changes_no_loss_or_logit(tiny_target, monkeypatch):
+    """Trainer.loss pads rows to a multiple of ROWS_BUCKET (one matmul shape for many lengths); causal attention
+    must keep the padding out of the real rows."""
+    import specchat.train.head as train
+
+    runner = lean_runner(tiny_target)
+    seq = torch.randint(0, runner.vocab_size, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    feats = target_features(runner, seq)
+    trainer = Trainer(SimpleNamespace(model=tiny_target), Recipe(noise=0.0), torch.arange(runner.vocab_size), 1.0)
+    with torch.no_grad():
+        padded = trainer.loss(seq, feats, noise=False)
+        monkeypatch.setattr(train, "ROWS_BUCKET", 1)
+        plain = trainer.loss(seq, feats, noise=False)
+    assert padded[1].shape == plain[1].shape == (20, runner.vocab_size)
+    torch.testing.assert_close(padded[1], plain[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
