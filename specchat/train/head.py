@@ -175,8 +175,8 @@ def target_features(runner, ids: list[int]) -> torch.Tensor:
 
 def use_bfloat16(model, recipe: Recipe) -> bool:
     """Whether data and training run in bfloat16: where its matmuls measure at least 1.5x faster than float32's
-    (CPUs with AMX; the reference VM: 5.4x for a matmul, 3.1x for a 384-token prefill, 1.6x for batched generation,
-    1.7x for a training step; on AVX2-only CPUs bfloat16 is slower), always on CUDA. The data's features then differ
+    (CPUs with AMX; the reference VM: 5.4x for a matmul, 3.1x for a 384-token prefill, 1.7-2.4x for batched
+    generation with InverseCDF, 1.6x for a training step; on AVX2-only CPUs bfloat16 is slower), always on CUDA. The data's features then differ
     from the float32 target's by bfloat16 rounding, inside the noise training adds to them; labels and the
     evaluation are computed in float32. 400 steps on the data of the head shipped before this recipe: held-out
     reply agreement 0.252 under autocast and 0.252 without (0.178, 0.188, 0.235 against 0.178, 0.188, 0.232 on the
@@ -581,11 +581,12 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
         next_batch()
     steps = recipe.steps
     train_began, last_ckpt, losses = time.monotonic(), time.monotonic(), []
-    if steps is None:  # measure a few steps, then fix the count that fits the budget
-        probe = 5
-        for _ in range(probe):
+    if steps is None:  # measure steps after a warm-up, then fix the count that fits the budget
+        for probe in range(20):  # the first steps build a matmul kernel per row count (ROWS_BUCKET): timed from step 10
+            if probe == 10:
+                probe_began = time.monotonic()
             losses.append(trainer.train_step(next_batch(), 1000))
-        per_step = (time.monotonic() - train_began) / probe
+        per_step = (time.monotonic() - probe_began) / 10
         left = budget - (time.monotonic() - began)
         steps = trainer.step + max(1, int(left / per_step * 0.9))
         progress(f"training {steps} steps (~{per_step:.2f} s each; repeat with --steps {steps})", 0.0)
