@@ -176,11 +176,11 @@ def target_features(runner, ids: list[int]) -> torch.Tensor:
 def use_bfloat16(model, recipe: Recipe) -> bool:
     """Whether data and training run in bfloat16: where its matmuls measure at least 1.5x faster than float32's
     (CPUs with AMX; the reference VM: 5.4x for a matmul, 3.1x for a 384-token prefill, 1.7-2.4x for batched
-    generation with InverseCDF, 1.6x for a training step; on AVX2-only CPUs bfloat16 is slower), always on CUDA. The data's features then differ
-    from the float32 target's by bfloat16 rounding, inside the noise training adds to them; labels and the
-    evaluation are computed in float32. 400 steps on the data of the head shipped before this recipe: held-out
-    reply agreement 0.252 under autocast and 0.252 without (0.178, 0.188, 0.235 against 0.178, 0.188, 0.232 on the
-    way)."""
+    generation with InverseCDF, 1.6x for a training step; on AVX2-only CPUs bfloat16 is slower), always on CUDA.
+    The data's features then differ from the float32 target's by bfloat16 rounding, inside the noise training adds to them; labels and the
+    evaluation are computed in float32. 400 steps on the previous head's data, then greedy agreement on the replies
+    to 12 prompts outside the training and bench sets: 0.252 under autocast and 0.252 without (0.178, 0.188, 0.235
+    against 0.178, 0.188, 0.232 on the way)."""
     weight = model.get_output_embeddings().weight
     if recipe.bfloat16 != "auto":
         return recipe.bfloat16 == "yes"
@@ -394,7 +394,8 @@ def choose_vocab(data: Data, n: int, vocab_size: int, special: set[int]) -> torc
 def start_from_layer(head: DraftHead, block) -> None:
     """The head's decoder layer starts as a copy of the target's last layer (fc stays random): the layer that
     turns the target's context into its last features is the nearest thing to what the head learns. 400 steps
-    on the shipped head's data: held-out reply agreement 0.252 against 0.225 from a random start."""
+    on the previous head's data, then greedy agreement on the replies to 12 prompts outside the training and bench
+    sets: 0.252 against 0.225 from a random start."""
     pairs = [(head.ln1, block.ln1), (head.ln2, block.ln2), (head.qkv.weight, block.qkv_w), (head.o.weight, block.o_w),
              (head.gate_up.weight, block.gate_up_w), (head.down.weight, block.down_w), (head.qkv.bias, block.qkv_b),
              (head.q_norm, block.q_norm), (head.k_norm, block.k_norm)]
@@ -436,10 +437,10 @@ class Trainer:
         return cos.float()[:, :, None].clone(), sin.float()[:, :, None].clone()  # [1, S, 1, hd]
 
     def loss(self, seq: list[int], feats: torch.Tensor, noise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced loss over one sequence: (total, the head's logits [S-1, N]). Rows are padded to a multiple of
-        ROWS_BUCKET: oneDNN builds a bfloat16 matmul kernel per shape, and a new shape every step made a training step
-        cost 0.48 s instead of 0.24 on the reference VM (4 sequences of 60-384 rows). The padding comes last, so causal attention keeps it out
-        of the real rows; the loss ignores it."""
+        """Teacher-forced loss over one sequence: (total, the head's logits [S-1, N]). Rows are padded to a multiple
+        of ROWS_BUCKET: oneDNN builds a bfloat16 matmul kernel per shape, and a new shape every step made a training
+        step cost 0.48 s instead of 0.24 on the reference VM (4 sequences of 60-384 rows). The padding comes last,
+        so causal attention keeps it out of the real rows; the loss ignores it."""
         n = len(seq) - 1  # head rows: row j reads (f_j, x_{j+1}) and predicts f_{j+1}
         pad = -n % ROWS_BUCKET
         f_in = F.pad(feats[:-1], (0, 0, 0, pad))[None]  # [1, L, D]: f_0..f_{n-1}, then zeros
