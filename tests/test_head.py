@@ -258,3 +258,42 @@ def test_padding_the_training_rows_changes_no_loss_or_logit(tiny_target, monkeyp
     assert padded[1].shape == plain[1].shape == (20, runner.vocab_size)
     torch.testing.assert_close(padded[1], plain[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
+
+
+def test_data_is_saved_in_shards_and_a_longer_run_carries_on(model_dir, tmp_path, monkeypatch):
+    """A run with a tiny budget makes one batch of replies (and no text) and saves it; a run with a larger budget
+    loads it and adds the rest, and ends with what one long run makes."""
+    from specchat.models import load_model
+    from specchat.train import head as train
+    from specchat.train.head import collect, collect_text
+
+    monkeypatch.setattr(train, "stdlib_docstrings", lambda seed: [f"doc {i} " * 9 for i in range(8)])
+    monkeypatch.setattr(train, "TEXT_SHARD", 2)
+
+    target = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_text("".join(json.dumps({"prompt": f"item {i} is"}) + "\n" for i in range(6)))
+    recipe = Recipe(data_file=str(data_file), batch=4, max_new_tokens=6, max_len=24, bfloat16="no")
+    noop = lambda *_: None  # noqa: E731
+
+    def both(work, seconds):
+        return (collect(target, lambda: target.model, recipe, seconds, work, noop),
+                collect_text(target, lambda: target.model, recipe, seconds, work, noop))
+
+    short = both(tmp_path / "w", 1e-9)  # the first batch always runs; the text loop stops at once
+    assert len(list((tmp_path / "w").glob("replies-*"))) == 1 and short[0].sequences and not short[1].sequences
+    assert short[0].seconds > 0
+    resumed, fresh = both(tmp_path / "w", 1e9), both(tmp_path / "fresh", 1e9)  # every pass of every prompt
+    assert len(list((tmp_path / "w").glob("replies-*"))) == 6  # 6 prompts, 4 a batch, 3 passes
+    assert len(list((tmp_path / "w").glob("text-*"))) >= 3
+
+    def same(runs, fresh):
+        for a, b in zip(runs, fresh):
+            assert a.sequences == b.sequences and a.groups == b.groups and a.starts == b.starts and a.tokens > 0
+            assert all(torch.equal(x.bfloat16(), y.bfloat16()) for x, y in zip(a.features, b.features))  # shards keep bfloat16
+
+    same(resumed, fresh)
+    for shard in [*(tmp_path / "w").glob("replies-0000[3-9]*"), *(tmp_path / "w").glob("text-0000[1-9]*")]:
+        shard.unlink()  # as if stopped there
+    same(both(tmp_path / "w", 1e9), fresh)
+    same(both(tmp_path / "w", 1e9), fresh)  # nothing left to make: all loaded

@@ -23,14 +23,17 @@
    draft position, is what `specchat bench --modes off,head` measures.
 
 Deterministic for a seed and a step count; `minutes` picks the step count from the measured speed of the first
-steps and prints it, so a run can be repeated with `steps`. Everything lands in a work folder first (data, a
-checkpoint every minute): an interrupted run resumes where it stopped.
+steps and prints it, so a run can be repeated with `steps`. `minutes` is the machine time of data and training
+together, data made by earlier runs of the same recipe included. Everything lands in a work folder first: the
+data a shard at a time (a batch of replies, TEXT_SHARD chunks of text) and a checkpoint every minute, so an
+interrupted run resumes where it stopped and a run given more minutes adds data to what earlier runs made.
 """
 
 from __future__ import annotations
 
 import ast
 import copy
+import functools
 import json
 import math
 import random
@@ -54,6 +57,7 @@ PROMPTS = Path(__file__).with_name("prompts.txt")
 HELD_OUT = 0.05  # share of prompts (with all their replies) kept for evaluation
 ROWS_BUCKET = 32  # training rows are padded to a multiple of this (Trainer.loss)
 PASSES = 3  # replies per prompt at most (every third row greedy, the others sampled)
+TEXT_SHARD = 32  # teacher-forced chunks per saved shard
 
 
 class TrainError(ValueError):
@@ -92,10 +96,12 @@ class Data:
     features: list[torch.Tensor] = field(default_factory=list)  # per sequence [S, D], the target's last-layer output
     groups: list[int] = field(default_factory=list)  # per sequence: the prompt it answers
     starts: list[int] = field(default_factory=list)  # per sequence: where the reply starts (0: text)
+    seconds: float = 0.0  # machine time it took to make
 
     def extend(self, other: "Data") -> None:
         for seq, feats, group, start in zip(other.sequences, other.features, other.groups, other.starts):
             self.add(seq, feats, group, start)
+        self.seconds += other.seconds
 
     def add(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:
         self.sequences.append(tokens)
@@ -122,7 +128,7 @@ class Data:
         tensors["groups"] = torch.tensor(self.groups, dtype=torch.int64)
         tensors["starts"] = torch.tensor(self.starts, dtype=torch.int64)
         with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"key": json.dumps(key, sort_keys=True)})
+            save_file(tensors, str(tmp), metadata={"key": json.dumps(key, sort_keys=True), "seconds": repr(self.seconds)})
 
     @staticmethod
     def load(path: Path, key: dict) -> "Data | None":
@@ -132,14 +138,26 @@ class Data:
 
         try:
             with safe_open(str(path), "pt") as f:
-                if (f.metadata() or {}).get("key") != json.dumps(key, sort_keys=True):
+                meta = f.metadata() or {}
+                if meta.get("key") != json.dumps(key, sort_keys=True):
                     return None
             tensors = load_file(path)
         except Exception:
             return None
         n = sum(k.startswith("t") for k in tensors)  # t0.., f0.., groups and starts
         return Data([tensors[f"t{i}"].tolist() for i in range(n)], [tensors[f"f{i}"].float() for i in range(n)], tensors["groups"].tolist(),
-                    tensors["starts"].tolist())
+                    tensors["starts"].tolist(), float(meta.get("seconds", 0.0)))
+
+
+def load_shards(work: Path, kind: str, key: dict) -> tuple[Data, int]:
+    """The shards `kind`-00000, -00001, ... an earlier run with the same recipe left in `work`, in order: (their
+    data, how many). Data is saved a shard at a time, so a run that stopped keeps what it made and a run with more
+    minutes carries on after it."""
+    data, n = Data(), 0
+    while (part := Data.load(work / f"{kind}-{n:05d}.safetensors", key)) is not None:
+        data.extend(part)
+        n += 1
+    return data, n
 
 
 def read_prompts(data_file: str | None) -> list[dict]:
@@ -263,34 +281,47 @@ def generate_with_features(model, prompts: list[list[int]], pad: int, eos: set[i
     return batch
 
 
-def collect(target, model, recipe: Recipe, seconds: float, progress: Callable[[str, float], None]) -> Data:
-    """The target's replies to the prompts and their features, for `seconds` or until every prompt has had
-    `PASSES` replies: every third row greedy, the others sampled at the recipe's temperature (a prompt greedy in
-    one pass is sampled in the next). Prompts of similar length share a batch (less padding). Each sequence's
-    group is its prompt, so held-out prompts stay out of training. `model`: data_model's."""
-    tokenizer, runner = target.tokenizer, lean_runner(model)
+def collect(target, model: Callable[[], object], recipe: Recipe, seconds: float, work: Path,
+            progress: Callable[[str, float], None]) -> Data:
+    """The target's replies to the prompts and their features, for `seconds` of machine time (this run's and the
+    earlier runs' shards together) or until every prompt has had `PASSES` replies: every third row greedy, the
+    others sampled at the recipe's temperature (a prompt greedy in one pass is sampled in the next). Prompts of
+    similar length share a batch (less padding). A batch that would overrun the time (by the mean batch so far)
+    is not started. Each batch is saved as a shard (`load_shards`). Each sequence's group is its prompt, so
+    held-out prompts stay out of training. `model()`: data_model's (made only if a batch runs)."""
+    tokenizer, key, runner = target.tokenizer, recipe.data_key(), functools.cache(lambda: lean_runner(model()))
     items = read_prompts(recipe.data_file) + (stdlib_prompts(recipe.seed) if recipe.data_file is None else [])
     random.Random(recipe.seed).shuffle(items)
-    data, start = Data(), time.monotonic()
+    data, began = Data(), time.monotonic()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(target.eos_ids))
     for group, item in enumerate(items):  # teacher-forced text: taken as it is
         if "text" in item and "prompt" not in item:
             ids = target.raw_ids(item["text"])[: recipe.max_len]
             if len(ids) >= 2:
-                data.add(ids, target_features(runner, ids), group)
+                data.add(ids, target_features(runner(), ids), group)
+    data.seconds = time.monotonic() - began
+    earlier, done = load_shards(work, "replies", key)
+    data.extend(earlier)
+    batches_s = earlier.seconds  # of the batches done so far: their mean predicts the next one
     prompts = [(g, target.chat_ids([{"role": "user", "content": it["prompt"]}])) for g, it in enumerate(items) if "prompt" in it]
     window = 8 * recipe.batch  # sorted by length within windows of 8 batches: each batch pads little, subjects stay mixed
     prompts = [p for i in range(0, len(prompts), window) for p in sorted(prompts[i : i + window], key=lambda p: len(p[1]))]
     batches = [(n, prompts[i : i + recipe.batch]) for n in range(PASSES) for i in range(0, len(prompts), recipe.batch)]
-    for b, (n, chunk) in enumerate(batches):
-        if time.monotonic() - start > seconds:
+    for b, (n, chunk) in enumerate(batches[done:], start=done):
+        if b and data.seconds + batches_s / b > seconds:  # the first batch always runs
             break
+        began = time.monotonic()
         temperatures = [0.0 if (row + n) % 3 == 0 else recipe.temperature for row in range(len(chunk))]
-        replies = generate_with_features(model, [p for _, p in chunk], pad, target.eos_ids, temperatures, recipe, seed=recipe.seed * 100003 + b)
+        replies = generate_with_features(model(), [p for _, p in chunk], pad, target.eos_ids, temperatures, recipe, seed=recipe.seed * 100003 + b)
+        part = Data()
         for (group, prompt), (tokens, feats) in zip(chunk, replies):
             if len(tokens) > len(prompt) + 1:  # a reply the head can draft in (its first token comes from the prefill)
-                data.add(tokens, feats, group, len(prompt))
-        progress(f"data: {len(data.sequences)} sequences, {data.tokens} tokens", min(1.0, (time.monotonic() - start) / seconds))
+                part.add(tokens, feats, group, len(prompt))
+        part.seconds = time.monotonic() - began
+        part.save(work / f"replies-{b:05d}.safetensors", key)
+        data.extend(part)
+        batches_s += part.seconds
+        progress(f"data: {len(data.sequences)} sequences, {data.tokens} tokens", min(1.0, data.seconds / seconds))
     if not data.sequences:
         raise TrainError("no training data: the time budget ended before the first batch of replies")
     return data
@@ -356,21 +387,37 @@ def stdlib_prompts(seed: int, limit: int = 3000) -> list[dict]:
     return [{"prompt": p} for p in prompts[:limit]]
 
 
-def collect_text(target, model, recipe: Recipe, seconds: float, progress: Callable[[str, float], None]) -> Data:
-    """Teacher-forced text for `seconds`: standard-library docstrings packed into max_len-token chunks (separated by
-    EOS), one lean forward each for the features. Groups are negative: text is never held out."""
-    runner, data, start = lean_runner(model), Data(), time.monotonic()
-    eos = min(target.eos_ids)
-    chunk: list[int] = []
+def collect_text(target, model: Callable[[], object], recipe: Recipe, seconds: float, work: Path,
+                 progress: Callable[[str, float], None]) -> Data:
+    """Teacher-forced text for `seconds` of machine time (earlier runs' shards included): standard-library
+    docstrings packed into max_len-token chunks (separated by EOS), one lean forward each for the features, saved
+    TEXT_SHARD chunks to a shard. Groups are negative: text is never held out."""
+    key, eos, runner = recipe.text_key(), min(target.eos_ids), functools.cache(lambda: lean_runner(model()))
+    data, shards = load_shards(work, "text", key)
+    part, began, chunk, skip = Data(), time.monotonic(), [], len(data.sequences)
+
+    def save() -> None:
+        nonlocal part, began, shards
+        part.seconds = time.monotonic() - began
+        part.save(work / f"text-{shards:05d}.safetensors", key)
+        data.extend(part)
+        part, began, shards = Data(), time.monotonic(), shards + 1
+
     for text in stdlib_docstrings(recipe.seed):
-        if time.monotonic() - start > seconds:
+        if data.seconds + time.monotonic() - began > seconds:
             break
         chunk += target.raw_ids(text) + [eos]
         while len(chunk) >= recipe.max_len:
             ids, chunk = chunk[: recipe.max_len], chunk[recipe.max_len :]
-            data.add(ids, target_features(runner, ids), -1 - len(data.sequences))
-            if len(data.sequences) % 20 == 0:
-                progress(f"text: {len(data.sequences)} chunks, {data.tokens} tokens", min(1.0, (time.monotonic() - start) / seconds))
+            if skip:  # made by an earlier run
+                skip -= 1
+                continue
+            part.add(ids, target_features(runner(), ids), -1 - len(data.sequences) - len(part.sequences))
+            if len(part.sequences) == TEXT_SHARD:
+                save()
+                progress(f"text: {len(data.sequences)} chunks, {data.tokens} tokens", min(1.0, data.seconds / seconds))
+    if part.sequences:
+        save()
     return data
 
 
@@ -540,25 +587,22 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if not 1 <= recipe.vocab <= vocab_size:
         raise TrainError(f"--vocab must be in 1..{vocab_size} for this target, got {recipe.vocab}")
-    budget, began = recipe.minutes * 60, time.monotonic()
+    budget = recipe.minutes * 60
     work.mkdir(parents=True, exist_ok=True)
-    data_path, text_path = work / "data.safetensors", work / "text.safetensors"
-    data = Data.load(data_path, recipe.data_key())
-    text = Data.load(text_path, recipe.text_key()) if recipe.text_share > 0 else Data()
     bfloat16 = use_bfloat16(model, recipe)
-    source = data_model(model, bfloat16) if data is None or text is None else None
-    if data is None:
-        progress("generating the target's replies", 0.0)
-        data = collect(target, source, recipe, budget * recipe.data_share * (1 - recipe.text_share), progress)
-        data.save(data_path, recipe.data_key())
+    source = functools.cache(lambda: data_model(model, bfloat16))
+    data_budget = budget * recipe.data_share
+    progress("generating the target's replies", 0.0)
+    data = collect(target, source, recipe, data_budget * (1 - recipe.text_share), work, progress)
     replies = data.tokens
-    if text is None:
+    if recipe.text_share > 0:
         progress("reading teacher-forced text", 0.0)
-        text = collect_text(target, source, recipe, max(budget * recipe.data_share - (time.monotonic() - began), 1.0), progress)
-        text.save(text_path, recipe.text_key())
-    del source
+        text = collect_text(target, source, recipe, data_budget * recipe.text_share, work, progress)
+    else:
+        text = Data()
+    source.cache_clear()
     data.extend(text)
-    data_s = time.monotonic() - began
+    data_s, began = data.seconds, time.monotonic()  # began: the training's share of the budget starts here
     train, held_out = data.split(HELD_OUT)
     special = set(getattr(target.tokenizer, "all_special_ids", [])) | set(target.eos_ids)
     vocab = choose_vocab(train, recipe.vocab, vocab_size, special)
@@ -588,7 +632,7 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
                 probe_began = time.monotonic()
             losses.append(trainer.train_step(next_batch(), 1000))
         per_step = (time.monotonic() - probe_began) / 10
-        left = budget - (time.monotonic() - began)
+        left = budget - data_s - (time.monotonic() - began)
         steps = trainer.step + max(1, int(left / per_step * 0.9))
         progress(f"training {steps} steps (~{per_step:.2f} s each; repeat with --steps {steps})", 0.0)
     while trainer.step < steps:
