@@ -465,6 +465,8 @@ class Trainer:
         start_from_layer(self.head, self.runner.blocks[-1])
         self.embed_w = self.runner.embed_w.detach().float()
         self.head_w = self.runner.head_w.detach()[vocab].float()  # [N, D]
+        # autocast casts a frozen weight again at every use (it caches only trainable ones): cast it once
+        self.head_w_bf16 = self.head_w.to(torch.bfloat16)
         self.norm_w, self.norm_eps = self.runner.norm_w.detach().float(), self.runner.norm_eps
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.rms = feature_rms
@@ -473,7 +475,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(recipe.seed)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(features, self.norm_w, self.norm_eps), self.head_w)  # [..., N]
+        head_w = self.head_w_bf16 if torch.is_autocast_enabled(features.device.type) else self.head_w
+        return F.linear(rms_norm(features, self.norm_w, self.norm_eps), head_w)  # [..., N]
 
     def rope(self, length: int):
         with torch.no_grad():
