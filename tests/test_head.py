@@ -274,16 +274,21 @@ def test_data_is_saved_in_shards_and_a_longer_run_carries_on(model_dir, tmp_path
     data_file = tmp_path / "data.jsonl"
     data_file.write_text("".join(json.dumps({"prompt": f"item {i} is"}) + "\n" for i in range(6)))
     recipe = Recipe(data_file=str(data_file), batch=4, max_new_tokens=6, max_len=24, bfloat16="no")
-    noop = lambda *_: None  # noqa: E731
+    said: list[str] = []
 
     def both(work, seconds):
-        return (collect(target, lambda: target.model, recipe, seconds, work, noop),
-                collect_text(target, lambda: target.model, recipe, seconds, work, noop))
+        said.clear()
+        progress = lambda text, fraction: said.append(text)  # noqa: E731
+        return (collect(target, lambda: target.model, recipe, seconds, work, progress),
+                collect_text(target, lambda: target.model, recipe, seconds, work, progress))
 
     short = both(tmp_path / "w", 1e-9)  # the first batch always runs; the text loop stops at once
     assert len(list((tmp_path / "w").glob("replies-*"))) == 1 and short[0].sequences and not short[1].sequences
     assert short[0].seconds > 0
-    resumed, fresh = both(tmp_path / "w", 1e9), both(tmp_path / "fresh", 1e9)  # every pass of every prompt
+    resumed = both(tmp_path / "w", 1e9)  # every pass of every prompt
+    assert any(text.startswith(f"data from earlier runs: {len(short[0].sequences)} replies") for text in said), said
+    fresh = both(tmp_path / "fresh", 1e9)
+    assert not any("earlier runs" in text for text in said), said
     assert len(list((tmp_path / "w").glob("replies-*"))) == 6  # 6 prompts, 4 a batch, 3 passes
     assert len(list((tmp_path / "w").glob("text-*"))) >= 3
 
@@ -296,4 +301,5 @@ def test_data_is_saved_in_shards_and_a_longer_run_carries_on(model_dir, tmp_path
     for shard in [*(tmp_path / "w").glob("replies-0000[3-9]*"), *(tmp_path / "w").glob("text-0000[1-9]*")]:
         shard.unlink()  # as if stopped there
     same(both(tmp_path / "w", 1e9), fresh)
+    assert any(text.startswith("text from earlier runs: 2 chunks") for text in said), said
     same(both(tmp_path / "w", 1e9), fresh)  # nothing left to make: all loaded

@@ -301,6 +301,8 @@ def collect(target, model: Callable[[], object], recipe: Recipe, seconds: float,
                 data.add(ids, target_features(runner(), ids), group)
     data.seconds = time.monotonic() - began
     earlier, done = load_shards(work, "replies", key)
+    if done:
+        progress(f"data from earlier runs: {len(earlier.sequences)} replies ({earlier.tokens} tokens, {earlier.seconds:.0f} s)", 0.0)
     data.extend(earlier)
     batches_s = earlier.seconds  # of the batches done so far: their mean predicts the next one
     prompts = [(g, target.chat_ids([{"role": "user", "content": it["prompt"]}])) for g, it in enumerate(items) if "prompt" in it]
@@ -394,6 +396,8 @@ def collect_text(target, model: Callable[[], object], recipe: Recipe, seconds: f
     TEXT_SHARD chunks to a shard. Groups are negative: text is never held out."""
     key, eos, runner = recipe.text_key(), min(target.eos_ids), functools.cache(lambda: lean_runner(model()))
     data, shards = load_shards(work, "text", key)
+    if shards:
+        progress(f"text from earlier runs: {len(data.sequences)} chunks ({data.tokens} tokens, {data.seconds:.0f} s)", 0.0)
     part, began, chunk, skip = Data(), time.monotonic(), [], len(data.sequences)
 
     def save() -> None:
