@@ -531,9 +531,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, data: Data, full_head_w: torch.Tensor) -> dict:
-        """First-draft quality on held-out replies, at the positions the loop drafts (reply tokens after the first;
-        every position of text): expected acceptance at temperature 1 (sum min(p, q) with the full target p), greedy
-        agreement (argmax q = argmax p), and how often the target's argmax is in the vocabulary."""
+        """First-draft quality on held-out replies, at the reply positions after the first (the loop drafts the first
+        too, checked against the prefill's logits) and every position of text: expected acceptance at temperature 1
+        (sum min(p, q) with the full target p), greedy agreement (argmax q = argmax p), and how often the target's
+        argmax is in the vocabulary."""
         accept = agree = in_vocab = n = 0.0
         vocab = self.head.vocab
         for seq, feats, start in zip(data.sequences, data.features, data.starts):

@@ -1,0 +1,101 @@
+"""Greedy acceptance of draft heads at K=1, measured without timing, on enough prompts to tell heads apart.
+
+With greedy decoding a head drafts from the target's features of the tokens before the draft, which do not
+depend on the head, so one plain greedy generation per prompt (the engine, lean runner) serves every head: the
+head then runs over the whole reply at once (teacher-forced). Two numbers per head: its agreement with the
+target at every reply position, and its acceptance in the loop at K=1, replayed exactly: a round drafts one
+token; accepted, the target's bonus token takes the next position and the round after drafts the one beyond;
+rejected, the next round drafts the position after the replacement. The bench's 4 prompts give ~560 drafting
+rounds a temperature (binomial error ~0.02 near 0.4); the default prompts here (the bench's 4 and
+benchmarks/head-prompts.jsonl, none of them in train/prompts.txt) give ~2300 positions in a few minutes on the
+2-core reference CPU.
+
+    python benchmarks/head_agreement.py HEAD.safetensors [HEAD2.safetensors ...] [--prompts FILE.jsonl ...]
+        [--tokens 160] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from specchat.engine import Controls, SamplingParams, TargetState, generate  # noqa: E402
+from specchat.engine.drafters.head import load_head  # noqa: E402
+from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
+from specchat.engine.runner import rms_norm  # noqa: E402
+from specchat.models import load_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [str(ROOT / "specchat" / "bench" / "prompts.jsonl"), str(ROOT / "benchmarks" / "head-prompts.jsonl")]
+
+
+def greedy_reply(target, state: TargetState, prompt: list[int], tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The target's greedy reply (plain decoding) and the features of every token but the last: [S-1, D]."""
+    state.tokens, state.head = [], None  # a fresh context for each prompt
+    controls = Controls(drafter=PlainDecoding(), k=0, sampling=SamplingParams(0.0, 0, 1.0))
+    for _ in generate(state, prompt, controls, max_new_tokens=tokens, eos_ids=target.eos_ids):
+        pass
+    n = len(state.tokens) - 1
+    if state.known < n:  # the last round's features may lag (the pending token is not fed yet)
+        state.forward(state.tokens[state.known : n], state.known, keep=1)
+    return list(state.tokens), state.features[:n].clone()
+
+
+@torch.inference_mode()
+def head_drafts(head, state: TargetState, tokens: list[int], features: torch.Tensor, norm) -> torch.Tensor:
+    """Teacher-forced greedy drafts: row j reads (f_j, x_{j+1}) and drafts x_{j+2}; [S-1] token ids (one forward
+    over the reply does what the drafter does a position at a time with its cache)."""
+    lean = state.lean
+    n = features.shape[0]
+    hidden = head(features[None], lean.embed(tokens[1 : n + 1]), None, 0, *lean.rope(0, n))  # [1, S-1, D]
+    logits = torch.nn.functional.linear(rms_norm(hidden, *norm), state.lean.head_w[head.vocab])[0]  # [S-1, N]
+    return head.vocab[logits.argmax(-1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("heads", nargs="+")
+    parser.add_argument("--target", default=None, help="default: the embedded default model")
+    parser.add_argument("--prompts", nargs="+", default=PROMPTS)
+    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_model(args.target, torch.device("cpu"), torch.float32)
+    state = TargetState(target.model, runner="lean")
+    norm = (state.lean.norm_w, state.lean.norm_eps)
+    items = [json.loads(line) for path in args.prompts for line in Path(path).read_text().splitlines() if line.strip()]
+    replies = []
+    for item in items:
+        prompt = target.chat_ids([{"role": "user", "content": item["prompt"]}])
+        replies.append((item.get("name", "?"), len(prompt), *greedy_reply(target, state, prompt, args.tokens)))
+    print(f"{len(items)} prompts, {args.tokens} new tokens at most, {torch.get_num_threads()} threads")
+    for path in args.heads:
+        head, _ = load_head(Path(path), target.model)
+        hits = total = accepted = rounds = 0
+        per = []
+        for name, n_prompt, tokens, features in replies:
+            drafts = head_drafts(head, state, tokens, features, norm).tolist()  # drafts[j] is a draft of tokens[j + 2]
+            first = n_prompt - 2  # the first round drafts the reply's first token (checked against the prefill's logits)
+            agree = [drafts[j] == tokens[j + 2] for j in range(first, len(tokens) - 2)]
+            hits, total = hits + sum(agree), total + len(agree)
+            # the loop: row j drafts tokens[j + 2]; a reply cut by the token budget has its last token undrafted
+            end = len(tokens) if tokens[-1] in target.eos_ids else len(tokens) - 1
+            j = first
+            while j + 2 < end:
+                ok = drafts[j] == tokens[j + 2]
+                accepted, rounds, j = accepted + ok, rounds + 1, j + (2 if ok else 1)
+            per.append(f"{name} {sum(agree) / max(len(agree), 1):.2f}")
+        print(f"{path}: acceptance in the loop {accepted / rounds:.3f} over {rounds} rounds; agreement {hits / total:.3f} over {total} "
+              f"positions ({', '.join(per)})")
+
+
+if __name__ == "__main__":
+    main()
