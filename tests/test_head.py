@@ -178,10 +178,17 @@ def test_train_head_bad_input_is_one_line(model_dir, tmp_path, args, message):
 
 
 def test_train_head_then_generate_finds_and_uses_it(model_dir, tmp_path):
+    from specchat import store
+    from specchat.models import load_model
+
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["the quick fox", "a lazy dog", "it was a sunny day"] * 4))
+    work = store.heads_dir() / f"{fingerprint(load_model(str(model_dir), torch.device('cpu'), torch.float32).model)}.work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "data.safetensors").write_bytes(b"data kept the way older versions kept it")
     result = CliRunner().invoke(main, ["train-head", "--target", str(model_dir), "--data", str(data), "--minutes", "0.1", "--steps", "20", "--vocab", "20"])
     assert result.exit_code == 0, result.output
+    assert not (work / "data.safetensors").exists() and list(work.glob("replies-*.safetensors"))  # stale file gone, shards kept
     assert "saved" in result.output and "mode head finds it" in result.output
 
     def tokens(mode):

@@ -597,6 +597,8 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
         raise TrainError(f"--vocab must be in 1..{vocab_size} for this target, got {recipe.vocab}")
     budget = recipe.minutes * 60
     work.mkdir(parents=True, exist_ok=True)
+    for stale in ("data.safetensors", "text.safetensors"):  # data as specchat kept it before shards: never read now
+        (work / stale).unlink(missing_ok=True)
     bfloat16 = use_bfloat16(model, recipe)
     source = functools.cache(lambda: data_model(model, bfloat16))
     data_budget = budget * recipe.data_share
