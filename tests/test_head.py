@@ -23,7 +23,7 @@ from specchat.engine.drafters.head import DraftHead, HeadDrafter, fingerprint, h
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.runner import lean_runner
-from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features
+from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features, training_seconds
 
 LEFT_OUT = [2, 7]  # tokens the tiny head cannot draft (the target can still emit them)
 
@@ -310,3 +310,9 @@ def test_data_is_saved_in_shards_and_a_longer_run_carries_on(model_dir, tmp_path
     same(both(tmp_path / "w", 1e9), fresh)
     assert any(text.startswith("text from earlier runs: 2 chunks") for text in said), said
     same(both(tmp_path / "w", 1e9), fresh)  # nothing left to make: all loaded
+
+
+def test_training_keeps_its_share_when_earlier_runs_made_more_data():
+    recipe = Recipe(minutes=10, data_share=0.45)
+    assert training_seconds(recipe, 200.0) == 400.0  # this run's data left 400 of 600 s
+    assert training_seconds(recipe, 0.45 * 1800) == 0.55 * 600  # data from a 30-minute run: training still gets 330 s

@@ -24,7 +24,7 @@
 
 Deterministic for a seed and a step count; `minutes` picks the step count from the measured speed of the first
 steps and prints it, so a run can be repeated with `steps`. `minutes` is the machine time of data and training
-together, data made by earlier runs of the same recipe included. Everything lands in a work folder first: the
+together, data made by earlier runs of the same recipe included (training keeps at least its share). Everything lands in a work folder first: the
 data a shard at a time (a batch of replies, TEXT_SHARD chunks of text) and a checkpoint every minute, so an
 interrupted run resumes where it stopped and a run given more minutes adds data to what earlier runs made.
 """
@@ -586,6 +586,13 @@ def save_head(trainer: Trainer, out: Path, meta: dict) -> Path:
     return path
 
 
+def training_seconds(recipe: Recipe, data_s: float) -> float:
+    """What the budget leaves for training after `data_s` seconds of data, and never less than the training's
+    share: data an earlier run with more minutes made is not charged to this one."""
+    budget = recipe.minutes * 60
+    return max(budget - data_s, budget * (1 - recipe.data_share))
+
+
 def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable[[str, float], None]) -> dict:
     """The whole run: data, vocabulary, training, evaluation, files. Returns the JSON written beside the weights."""
     model = target.model
@@ -595,13 +602,12 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if not 1 <= recipe.vocab <= vocab_size:
         raise TrainError(f"--vocab must be in 1..{vocab_size} for this target, got {recipe.vocab}")
-    budget = recipe.minutes * 60
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("data.safetensors", "text.safetensors"):  # data as specchat kept it before shards: never read now
         (work / stale).unlink(missing_ok=True)
     bfloat16 = use_bfloat16(model, recipe)
     source = functools.cache(lambda: data_model(model, bfloat16))
-    data_budget = budget * recipe.data_share
+    data_budget = recipe.minutes * 60 * recipe.data_share
     progress("generating the target's replies", 0.0)
     data = collect(target, source, recipe, data_budget * (1 - recipe.text_share), work, progress)
     replies = data.tokens
@@ -642,7 +648,7 @@ def train_head(target, recipe: Recipe, out: Path, work: Path, progress: Callable
                 probe_began = time.monotonic()
             losses.append(trainer.train_step(next_batch(), 1000))
         per_step = (time.monotonic() - probe_began) / 10
-        left = budget - data_s - (time.monotonic() - began)
+        left = training_seconds(recipe, data_s) - (time.monotonic() - began)
         steps = trainer.step + max(1, int(left / per_step * 0.9))
         progress(f"training {steps} steps (~{per_step:.2f} s each; repeat with --steps {steps})", 0.0)
     while trainer.step < steps:
