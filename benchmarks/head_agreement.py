@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from specchat.engine import Controls, SamplingParams, TargetState, generate  # noqa: E402
-from specchat.engine.drafters.head import load_head  # noqa: E402
+from specchat.engine.drafters.head import HeadDrafter  # noqa: E402
 from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
 from specchat.engine.runner import rms_norm  # noqa: E402
 from specchat.models import load_model  # noqa: E402
@@ -48,14 +48,13 @@ def greedy_reply(target, state: TargetState, prompt: list[int], tokens: int) -> 
 
 
 @torch.inference_mode()
-def head_drafts(head, state: TargetState, tokens: list[int], features: torch.Tensor, norm) -> torch.Tensor:
+def head_drafts(drafter: HeadDrafter, state: TargetState, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
     """Teacher-forced greedy drafts: row j reads (f_j, x_{j+1}) and drafts x_{j+2}; [S-1] token ids (one forward
     over the reply does what the drafter does a position at a time with its cache)."""
-    lean = state.lean
-    n = features.shape[0]
-    hidden = head(features[None], lean.embed(tokens[1 : n + 1]), None, 0, *lean.rope(0, n))  # [1, S-1, D]
-    logits = torch.nn.functional.linear(rms_norm(hidden, *norm), state.lean.head_w[head.vocab])[0]  # [S-1, N]
-    return head.vocab[logits.argmax(-1)]
+    lean, n = state.lean, features.shape[0]
+    hidden = drafter.head(features[None], lean.embed(tokens[1 : n + 1]), None, 0, *lean.rope(0, n))  # [1, S-1, D]
+    logits = torch.nn.functional.linear(rms_norm(hidden, drafter.norm_w, drafter.norm_eps), drafter.head_w)[0]  # [S-1, N]
+    return drafter.vocab[logits.argmax(-1)]
 
 
 def main() -> None:
@@ -70,7 +69,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     target = load_model(args.target, torch.device("cpu"), torch.float32)
     state = TargetState(target.model, runner="lean")
-    norm = (state.lean.norm_w, state.lean.norm_eps)
     items = [json.loads(line) for path in args.prompts for line in Path(path).read_text().splitlines() if line.strip()]
     replies = []
     for item in items:
@@ -78,11 +76,11 @@ def main() -> None:
         replies.append((item.get("name", "?"), len(prompt), *greedy_reply(target, state, prompt, args.tokens)))
     print(f"{len(items)} prompts, {args.tokens} new tokens at most, {torch.get_num_threads()} threads")
     for path in args.heads:
-        head, _ = load_head(Path(path), target.model)
+        drafter = HeadDrafter.build(target.model, head_file=Path(path))
         hits = total = accepted = rounds = 0
         per = []
         for name, n_prompt, tokens, features in replies:
-            drafts = head_drafts(head, state, tokens, features, norm).tolist()  # drafts[j] is a draft of tokens[j + 2]
+            drafts = head_drafts(drafter, state, tokens, features).tolist()  # drafts[j] is a draft of tokens[j + 2]
             first = n_prompt - 2  # the first round drafts the reply's first token (checked against the prefill's logits)
             agree = [drafts[j] == tokens[j + 2] for j in range(first, len(tokens) - 2)]
             hits, total = hits + sum(agree), total + len(agree)
