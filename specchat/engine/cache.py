@@ -9,7 +9,8 @@ CHUNK = 256  # positions a KVCache layer grows by
 
 
 class KVCache:
-    """The lean runner's KV cache (engine/runner.py): per layer, keys and values [1, H_kv, capacity, head_dim].
+    """The lean runner's KV cache (engine/runner.py): per layer, keys and values [B, H_kv, capacity, head_dim]
+    (B = `rows`: 1, except for batched generation of training data).
 
     A layer's storage is allocated at its first write and grown CHUNK positions at a time (never a
     torch.cat per step); entries are written in place. `lengths[i]` says how many positions layer i
@@ -18,15 +19,15 @@ class KVCache:
     self-speculative pass runs a subset of them (a skipped layer never gets entries).
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.n_kv_heads, self.head_dim, self.dtype, self.device = n_kv_heads, head_dim, dtype, device
-        self.keys: list[torch.Tensor | None] = [None] * n_layers  # [1, H_kv, capacity, hd]
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, rows: int = 1) -> None:
+        self.n_kv_heads, self.head_dim, self.dtype, self.device, self.rows = n_kv_heads, head_dim, dtype, device, rows
+        self.keys: list[torch.Tensor | None] = [None] * n_layers  # [B, H_kv, capacity, hd]
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.lengths = [0] * n_layers
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [1, H_kv, S, hd] at positions past..past+S-1 of layer i; return the layer's keys and
-        values for positions 0..past+S-1 (views, [1, H_kv, past + S, hd])."""
+        """Store k, v [B, H_kv, S, hd] at positions past..past+S-1 of layer i; return the layer's keys and
+        values for positions 0..past+S-1 (views, [B, H_kv, past + S, hd])."""
         if past > self.lengths[i]:
             raise ValueError(f"layer {i} holds {self.lengths[i]} positions; cannot write at {past}")
         end = past + k.shape[2]
@@ -40,7 +41,7 @@ class KVCache:
 
     def _grow(self, i: int, needed: int) -> None:
         capacity = -(-needed // CHUNK) * CHUNK
-        shape = (1, self.n_kv_heads, capacity, self.head_dim)
+        shape = (self.rows, self.n_kv_heads, capacity, self.head_dim)
         keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
         n = self.lengths[i]
@@ -48,6 +49,12 @@ class KVCache:
             keys[:, :, :n].copy_(self.keys[i][:, :, :n])
             values[:, :, :n].copy_(self.values[i][:, :, :n])
         self.keys[i], self.values[i] = keys, values
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` [B'] of every layer (batched generation drops the rows that finished)."""
+        self.keys = [k.index_select(0, index) if k is not None else None for k in self.keys]
+        self.values = [v.index_select(0, index) if v is not None else None for v in self.values]
+        self.rows = len(index)
 
     def crop(self, length: int) -> None:
         """Every layer back to at most `length` positions (a pointer move)."""

@@ -192,8 +192,8 @@ class Runner:
         return other
 
     # ------------------------------------------------------------ state
-    def new_cache(self) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, rows: int = 1) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device, rows)
 
     @property
     def vocab_size(self) -> int:
@@ -272,34 +272,35 @@ class Shape:
 
 
 def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torch.Tensor:
-    """One pre-norm decoder layer, [1, S, D] -> [1, S, D], writing its K/V as layer i of `cache` (None: no cache,
+    """One pre-norm decoder layer, [B, S, D] -> [B, S, D], writing its K/V as layer i of `cache` (None: no cache,
     plain causal attention). Differentiable outside inference mode: the draft head (drafters/head.py) trains
-    through it."""
-    _, S, _ = h.shape  # [1, S, D]
+    through it. B > 1 (batched generation of training data, train/generate.py) takes cos/sin [B, S, 1, hd] and a
+    mask [B, 1, n_rep S, past + S] of its own."""
+    B, S, _ = h.shape  # [B, S, D]
     H, Hkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
     x = rms_norm(h, b.ln1, b.eps)
-    qkv = linear(x, b.qkv_w, b.qkv_b).view(1, S, H + 2 * Hkv, hd)  # [1, S, H + 2 H_kv, hd]
-    qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [1, S, H + H_kv, hd], [1, S, H_kv, hd]
+    qkv = linear(x, b.qkv_w, b.qkv_b).view(B, S, H + 2 * Hkv, hd)  # [B, S, H + 2 H_kv, hd]
+    qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]  # [B, S, H + H_kv, hd], [B, S, H_kv, hd]
     if b.q_norm is not None:  # Qwen3: RMSNorm over each head's vector, before RoPE
         qk = torch.cat([rms_norm(qk[:, :, :H], b.q_norm, b.qk_eps), rms_norm(qk[:, :, H:], b.k_norm, b.qk_eps)], dim=2)
     qk = rotate(qk, cos, sin)  # q and k heads in one go: they share cos/sin
-    q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [1, S, H, hd], [1, H_kv, S, hd] x 2
+    q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [B, S, H, hd], [B, H_kv, S, hd] x 2
     if cache is not None:
-        k, v = cache.write(i, k, v, past)  # [1, H_kv, past + S, hd]
-    q = q.transpose(1, 2)  # [1, H, S, hd]
+        k, v = cache.write(i, k, v, past)  # [B, H_kv, past + S, hd]
+    q = q.transpose(1, 2)  # [B, H, S, hd]
     if S == 1 or (mask is not None and s.n_rep > 1):
         # GQA packed: the n_rep query heads sharing a KV head become rows of one query block
-        out = F.scaled_dot_product_attention(q.reshape(1, Hkv, s.n_rep * S, hd), k, v, attn_mask=mask, scale=s.scale)
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, s.n_rep * S, hd), k, v, attn_mask=mask, scale=s.scale)
     elif mask is not None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scale)
     else:  # a chunk with no past: plain causal
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale, enable_gqa=s.n_rep > 1)
-    out = out.reshape(1, H, S, hd).transpose(1, 2).reshape(1, S, H * hd)  # [1, S, H hd]
+    out = out.reshape(B, H, S, hd).transpose(1, 2).reshape(B, S, H * hd)  # [B, S, H hd]
     h = h + linear(out, b.o_w, b.o_b)
     x = rms_norm(h, b.ln2, b.eps)
     if b.mlp is not None:
         return h + b.mlp(x)
-    gate, up = linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [1, S, I] x 2
+    gate, up = linear(x, b.gate_up_w, b.gate_up_b).chunk(2, dim=-1)  # [B, S, I] x 2
     return h + linear(b.act(gate) * up, b.down_w, b.down_b)
 
 

@@ -2,9 +2,10 @@
 
 1. Data: the target's own replies to a prompt set (train/prompts.txt, topics in templates, and tasks built from
    the Python standard library: docstrings to summarise, functions to explain or write; never the bench's or the
-   tests' prompts; or the user's JSONL), 128 prompts at a time through HF `generate` (every third row greedy, the
-   others sampled at temperature 0.8), whose final-norm input a hook records: the target's features f_t for every
-   position at no extra forward. Lines with "text" instead of "prompt" are taken as they are (teacher-forced, one
+   tests' prompts; or the user's JSONL), 128 prompts at a time (every third row greedy, the others sampled at
+   temperature 0.8) through a batched generation loop on the lean runner (train/generate.py; HF `generate` for
+   other architectures, a hook on its final norm), which keeps the last layer's output: the target's features
+   f_t for every position at no extra forward. Lines with "text" instead of "prompt" are taken as they are (teacher-forced, one
    lean forward each), and so are the standard library's docstrings, read for the rest of the data time
    (`text_share` of it). Where bfloat16 matmuls are fast (AMX) a bfloat16 copy of the target generates the data
    and the training steps run under bfloat16 autocast (`use_bfloat16`).
@@ -52,6 +53,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from specchat.engine.drafters.head import FORMAT, DraftHead, fingerprint, head_spec
 from specchat.engine.runner import lean_runner, rms_norm, unsupported
 from specchat.store import atomic_path, write_atomic
+from specchat.train.generate import draw, generate_with_features
 
 PROMPTS = Path(__file__).with_name("prompts.txt")
 HELD_OUT = 0.05  # share of prompts (with all their replies) kept for evaluation
@@ -87,7 +89,7 @@ class Recipe:
         return {"v": 2, "source": "stdlib docstrings", "max_len": self.max_len, "seed": self.seed, "bfloat16": self.bfloat16}
 
     def data_key(self) -> dict:
-        return {"v": 3, **{k: getattr(self, k) for k in ("seed", "max_new_tokens", "batch", "temperature", "max_len", "data_file", "bfloat16")}}
+        return {"v": 4, **{k: getattr(self, k) for k in ("seed", "max_new_tokens", "batch", "temperature", "max_len", "data_file", "bfloat16")}}
 
 
 @dataclass
@@ -238,16 +240,12 @@ class InverseCDF(LogitsProcessor):
         self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        t = self.t.to(scores.device)[:, None]  # [B, 1]
-        cdf = torch.softmax(scores.float() / t.clamp(min=1e-4), -1).cumsum(-1)  # [B, V]
-        u = torch.rand(cdf.shape[0], 1, generator=self.generator).to(scores.device) * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1)  # [B, 1]
-        chosen = torch.where(t > 0, drawn, scores.argmax(-1, keepdim=True))
+        chosen = draw(scores, self.t, self.generator)[:, None]  # [B, 1]
         return torch.full_like(scores, -math.inf).scatter_(1, chosen, 0.0)
 
 
-def generate_with_features(model, prompts: list[list[int]], pad: int, eos: set[int], temperatures: list[float], recipe: Recipe,
-                           seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+def hf_generate_with_features(model, prompts: list[list[int]], pad: int, eos: set[int], temperatures: list[float], recipe: Recipe,
+                              seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     """One batch of replies through HF `generate` (left-padded; row i at temperatures[i], 0 = greedy), with the
     target's features captured on the way: a hook on the final norm records its input (the last layer's output)
     in the prefill and in every step. Returns (tokens, features [S, D] float32) per prompt: the prompt, the reply
@@ -314,7 +312,11 @@ def collect(target, model: Callable[[], object], recipe: Recipe, seconds: float,
             break
         began = time.monotonic()
         temperatures = [0.0 if (row + n) % 3 == 0 else recipe.temperature for row in range(len(chunk))]
-        replies = generate_with_features(model(), [p for _, p in chunk], pad, target.eos_ids, temperatures, recipe, seed=recipe.seed * 100003 + b)
+        rows, seed = [p for _, p in chunk], recipe.seed * 100003 + b
+        if runner() is not None:
+            replies = generate_with_features(runner(), rows, pad, target.eos_ids, temperatures, recipe.max_new_tokens, recipe.max_len, seed)
+        else:
+            replies = hf_generate_with_features(model(), rows, pad, target.eos_ids, temperatures, recipe, seed)
         part = Data()
         for (group, prompt), (tokens, feats) in zip(chunk, replies):
             if len(tokens) > len(prompt) + 1:  # a reply the head can draft in (its first token comes from the prefill)
