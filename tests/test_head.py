@@ -8,6 +8,7 @@ rejects bad input in one line, and a head it trains is found and used by `genera
 """
 
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +266,38 @@ def test_padding_the_training_rows_changes_no_loss_or_logit(tiny_target, monkeyp
     assert padded[1].shape == plain[1].shape == (20, runner.vocab_size)
     torch.testing.assert_close(padded[1], plain[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded[0], plain[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_of_sequences_gives_each_sequence_its_own_loss_and_logits(tiny_target):
+    """Trainer.batch_loss feeds a step's sequences padded into one batch: the loss must be the mean of the
+    sequences' own losses and each one's logits its own, whatever the others' lengths."""
+    runner = lean_runner(tiny_target)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 23)]
+    batch = [(seq, target_features(runner, seq)) for seq in seqs]
+    trainer = Trainer(SimpleNamespace(model=tiny_target), Recipe(noise=0.0), torch.arange(runner.vocab_size), 1.0)
+    with torch.no_grad():
+        total, logits = trainer.batch_loss(batch, noise=False)
+        alone = [trainer.loss(seq, feats, noise=False) for seq, feats in batch]
+    torch.testing.assert_close(total, sum(loss for loss, _ in alone) / 3, rtol=1e-5, atol=1e-5)
+    for mine, (_, own) in zip(logits, alone):
+        torch.testing.assert_close(mine, own, rtol=1e-5, atol=1e-5)
+
+
+def test_each_step_takes_sequences_of_similar_length_and_every_sequence_once_an_epoch():
+    from specchat.train.head import epoch_order
+
+    lengths = [random.Random(i).randint(10, 400) for i in range(203)]
+    order = epoch_order(random.Random(0), lengths, 4)
+    assert sorted(order) == list(range(203))
+    steps = [order[::-1][i : i + 4] for i in range(0, 200, 4)]  # read from the end, 4 at a time
+
+    def padded_share(steps) -> float:
+        return 1 - sum(lengths[j] for s in steps for j in s) / sum(4 * max(lengths[j] for j in s) for s in steps)
+
+    shuffled = random.Random(1).sample(range(203), 203)
+    assert padded_share(steps) < 0.5 * padded_share([shuffled[i : i + 4] for i in range(0, 200, 4)])
+    assert order != epoch_order(random.Random(1), lengths, 4)  # the steps' order is random
 
 
 def test_data_is_saved_in_shards_and_a_longer_run_carries_on(model_dir, tmp_path, monkeypatch):

@@ -97,8 +97,9 @@ class DraftHead(torch.nn.Module):
                      down_w=self.down.weight, down_b=None, act=self.act)
 
     def forward(self, features, embeddings, cache, past, cos, sin, mask=None) -> torch.Tensor:
-        """features, embeddings [1, S, D] at head positions past..past+S-1 -> predicted next features [1, S, D]."""
-        x = self.fc(torch.cat([features, embeddings], dim=-1))  # [1, S, D]
+        """features, embeddings [B, S, D] at head positions past..past+S-1 -> predicted next features [B, S, D] (B = 1
+        drafting; B sequences in a training step)."""
+        x = self.fc(torch.cat([features, embeddings], dim=-1))  # [B, S, D]
         return decoder_layer(self.block(), self.shape, x, cache, 0, past, cos, sin, mask)
 
 
