@@ -5,9 +5,9 @@
    tests' prompts; or the user's JSONL), 128 prompts at a time (every third row greedy, the others sampled at
    temperature 0.8) through a batched generation loop on the lean runner (train/generate.py; HF `generate` for
    other architectures, a hook on its final norm), which keeps the last layer's output: the target's features
-   f_t for every position at no extra forward. Lines with "text" instead of "prompt" are taken as they are (teacher-forced, one
-   lean forward each), and so are the standard library's docstrings, read for the rest of the data time
-   (`text_share` of it). Where bfloat16 matmuls are fast (AMX) a bfloat16 copy of the target generates the data
+   f_t for every position at no extra forward. Lines with "text" instead of "prompt" are taken as they are
+   (teacher-forced, one lean forward each), and so are the standard library's docstrings, read for the rest of
+   the data time (`text_share` of it). Where bfloat16 matmuls are fast (AMX) a bfloat16 copy of the target generates the data
    and the training steps run under bfloat16 autocast (`use_bfloat16`).
 2. Vocabulary (FR-Spec): the N tokens the data predicts most often, the tokenizer's special tokens, and, if
    the data holds fewer than N distinct tokens, the lowest remaining ids (BPE ids rise with merge order,
@@ -519,8 +519,8 @@ class Trainer:
         logits = self.logits(pred)  # [B, L, N]
         cls = -(p * torch.log_softmax(logits, -1)).sum(-1)  # [B, L]
         reg = F.smooth_l1_loss(pred / self.rms, target / self.rms, reduction="none").mean(-1)  # [B, L]
-        rows = torch.tensor(ns)
-        real = torch.arange(length)[None] < rows[:, None]  # [B, L]
+        rows = torch.tensor(ns, device=reg.device)
+        real = torch.arange(length, device=reg.device)[None] < rows[:, None]  # [B, L]
         per_sequence = ((reg + self.recipe.cls_weight * cls) * real).sum(-1) / rows  # [B]
         return per_sequence.mean(), [logits[i, :n] for i, n in enumerate(ns)]
 
