@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """RoPE, HF's rotate_half convention: x * cos + cat(-x2, x1) * sin, written as x * cos + cat(x2, x1) *
-    cat(-sin1, sin2) (the same products, bit for bit). x [1, S, H, hd]; cos, sin_signed [1, S, 1, hd]."""
+    cat(-sin1, sin2) (the same products, bit for bit). x [B, S, H, hd]; cos, sin_signed [1 or B, S, 1, hd]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
