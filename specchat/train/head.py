@@ -7,8 +7,8 @@
    other architectures, a hook on its final norm), which keeps the last layer's output: the target's features
    f_t for every position at no extra forward. Lines with "text" instead of "prompt" are taken as they are
    (teacher-forced, one lean forward each), and so are the standard library's docstrings, read for the rest of
-   the data time (`text_share` of it). Where bfloat16 matmuls are fast (AMX) a bfloat16 copy of the target generates the data
-   and the training steps run under bfloat16 autocast (`use_bfloat16`).
+   the data time (`text_share` of it). Where bfloat16 matmuls are fast (AMX) a bfloat16 copy of the target
+   generates the data and the training steps run under bfloat16 autocast (`use_bfloat16`).
 2. Vocabulary (FR-Spec): the N tokens the data predicts most often, the tokenizer's special tokens, and, if
    the data holds fewer than N distinct tokens, the lowest remaining ids (BPE ids rise with merge order,
    i.e. roughly fall in frequency).
@@ -25,9 +25,10 @@
 
 Deterministic for a seed and a step count; `minutes` picks the step count from the measured speed of the first
 steps and prints it, so a run can be repeated with `steps`. `minutes` is the machine time of data and training
-together, data made by earlier runs of the same recipe included (training keeps at least its share). Everything lands in a work folder first: the
-data a shard at a time (a batch of replies, TEXT_SHARD chunks of text) and a checkpoint every minute, so an
-interrupted run resumes where it stopped and a run given more minutes adds data to what earlier runs made.
+together, data made by earlier runs of the same recipe included (training keeps at least its share).
+Everything lands in a work folder first: the data a shard at a time (a batch of replies, TEXT_SHARD chunks of
+text) and a checkpoint every minute, so an interrupted run resumes where it stopped and a run given more minutes
+adds data to what earlier runs made.
 """
 
 from __future__ import annotations
@@ -599,7 +600,8 @@ def save_head(trainer: Trainer, out: Path, meta: dict) -> Path:
 def epoch_order(order: random.Random, lengths: list[int], per_step: int) -> list[int]:
     """A random order of the sequences, read from the end `per_step` at a time, in which a step's sequences have
     similar lengths: sorted within windows of 16 steps, the steps then shuffled. A step pads its sequences to the
-    longest (Trainer.batch_loss); in random order 28% of its rows were padding, in this order 7% (a 20-minute run's data)."""
+    longest (Trainer.batch_loss); in random order 28% of its rows were padding, in this order 7% (a 20-minute
+    run's data)."""
     picks = order.sample(range(len(lengths)), len(lengths))
     window = 16 * per_step
     steps = []
