@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from specchat import store
+from specchat import store, threads
 from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
@@ -274,6 +274,7 @@ class Session:
                     if self._plain is None:
                         self._plain = deque(maxlen=BASELINE_ROUNDS)
                     self._plain.append((time.monotonic(), record))
+            threads.adapt()  # here, in the thread that runs the forwards
             yield record
 
     # -- what the front ends show

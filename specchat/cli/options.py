@@ -11,10 +11,10 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import click
 
+from specchat import threads
 from specchat.modes import MODES
 
 # Nothing here imports torch at module level (neither may a command module): `specchat --help`, --version and
@@ -50,22 +50,14 @@ def user_errors():
         raise
 
 
-# ---------------------------------------------------------------- CPU threads
-
-_owns_process = False  # set by prepare_process: specchat started this process and torch is not loaded yet
+# ---------------------------------------------------------------- the process
 
 
 def prepare_process() -> None:
-    """Called first by the `specchat` command, before anything imports torch.
-
-    OpenMP threads that spin-wait for each other collapse when another process competes for the cores
-    (measured on the 2-core reference machine: README, Threads); OMP_WAIT_POLICY=PASSIVE makes them
-    sleep instead, and OpenMP reads it only when torch loads. Inside another program that already loaded
-    torch (a test run, a notebook), its thread settings are left alone unless --threads is given."""
-    global _owns_process
+    """Called first by the `specchat` command, before anything imports torch: how OpenMP threads wait (threads.py)
+    and what Ctrl+C does."""
     if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        _owns_process = True
+        threads.prepare_process()
         signal.signal(signal.SIGINT, _on_ctrl_c)
 
 
@@ -85,59 +77,6 @@ def _on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def physical_cores() -> int:
-    """Cores this process may run on, counting each physical core once (hyper-threads share one)."""
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f if line.startswith(("siblings", "cpu cores")))
-        per_core = int(info["siblings"]) // int(info["cpu cores"])
-    except (OSError, KeyError, ValueError, ZeroDivisionError):
-        per_core = 1
-    return max(1, logical // max(per_core, 1))
-
-
-def busy_cores(window: float = 0.2) -> float:
-    """Cores other processes kept busy over `window` seconds (/proc/stat; this process sleeps meanwhile);
-    0 where that cannot be read."""
-
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return values[3] + values[4], sum(values)
-
-    try:
-        idle0, total0 = ticks()
-        time.sleep(window)
-        idle1, total1 = ticks()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    if total1 <= total0:
-        return 0.0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
-
-
-def default_threads() -> int:
-    """The physical cores that other work leaves free when specchat starts, at least one. One thread per
-    core other processes keep busy fewer: a thread sharing a core with a busy process makes every parallel
-    step wait for it (measured: README, Threads)."""
-    cores = physical_cores()
-    return max(1, min(cores, int(cores - busy_cores() + 0.5)))
-
-
-def set_threads(requested: int | None) -> int:
-    """torch's CPU threads for this run: --threads, else default_threads() when specchat owns the process and
-    OMP_NUM_THREADS is not set; otherwise what the host chose. Returns the number in force."""
-    import torch
-
-    n = requested
-    if n is None and _owns_process and not os.environ.get("OMP_NUM_THREADS"):
-        n = default_threads()
-    if n is not None and n != torch.get_num_threads():
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
 def apply(options: list, f):
     """Decorate `f` with click options, the first listed first in --help."""
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
@@ -152,7 +91,7 @@ def _model_options(f, *, draft: bool):
         click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch (default: the physical cores not busy with other work when specchat starts)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch (default: the physical cores other work leaves free, re-chosen as that changes)."),
     ], f)
 
 
@@ -232,7 +171,7 @@ def load_models(opts: dict, console):
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
-    set_threads(opts.get("threads"))
+    threads.set_threads(opts.get("threads"))
     from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
 
     device = pick_device(opts["device"])
@@ -305,5 +244,6 @@ def config_summary(session) -> dict:
         "device": session.device_label,
         "dtype": session.dtype_label,
         "threads": torch.get_num_threads(),
+        "threads_adaptive": threads.adaptive(),
         "accept": session.controls.rule.name,
     }

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from specchat import threads
 from specchat.engine.runner import Runner, rms_norm
 from specchat.engine.smallbatch import linear
 
@@ -89,6 +90,7 @@ def generate_with_features(runner: Runner, prompts: list[list[int]], pad: int, e
             keep = torch.tensor([i for i, row in enumerate(live.tolist()) if row in running])
             cache.keep_rows(keep.to(runner.device))
             live = live[keep]
+        threads.adapt()  # a batch runs for minutes: follow the machine's load
         step = torch.tensor([[tokens[row][-1] if row in running else pad] for row in live.tolist()], device=runner.device)
         hidden = run_rows(runner, step, cache, column, positions[live, column : column + 1], real[live, None, : column + 1].to(runner.device))
         feats[live, column] = hidden[:, 0].float().cpu()

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from specchat import threads
 from specchat.engine.drafters.head import FORMAT, DraftHead, fingerprint, head_spec
 from specchat.engine.runner import lean_runner, rms_norm, unsupported
 from specchat.store import atomic_path, write_atomic
@@ -419,6 +420,7 @@ def collect_text(target, model: Callable[[], object], recipe: Recipe, seconds: f
             if skip:  # made by an earlier run
                 skip -= 1
                 continue
+            threads.adapt()
             part.add(ids, target_features(runner(), ids), -1 - len(data.sequences) - len(part.sequences))
             if len(part.sequences) == TEXT_SHARD:
                 save()
@@ -526,6 +528,7 @@ class Trainer:
         return per_sequence.mean(), [logits[i, :n] for i, n in enumerate(ns)]
 
     def train_step(self, batch: list[tuple[list[int], torch.Tensor]], total_steps: int) -> float:
+        threads.adapt()
         warm = max(1, total_steps // 20)
         frac = self.step / max(total_steps, 1)
         lr = self.recipe.lr * (min(1.0, (self.step + 1) / warm)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
