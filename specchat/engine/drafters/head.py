@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers.activations import ACT2FN
 
@@ -32,6 +31,7 @@ from specchat.engine.cache import KVCache, common_prefix
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.runner import Block, Shape, Runner, decoder_layer, rms_norm, unsupported
 from specchat.engine.sampling import logits_to_probs, sample
+from specchat.engine.smallbatch import linear
 
 FORMAT = "specchat-draft-head/1"
 
@@ -85,10 +85,10 @@ class DraftHead(torch.nn.Module):
         self.register_buffer("vocab", torch.zeros(vocab_size, dtype=torch.long))  # [N] target ids the head drafts
         self.shape = Shape(H, Hkv, hd, spec["scale"])
         self.act = ACT2FN[spec["hidden_act"]]
-        for linear in (self.fc, self.qkv, self.o, self.gate_up, self.down):
-            torch.nn.init.normal_(linear.weight, std=0.02)
-            if linear.bias is not None:
-                torch.nn.init.zeros_(linear.bias)
+        for layer in (self.fc, self.qkv, self.o, self.gate_up, self.down):
+            torch.nn.init.normal_(layer.weight, std=0.02)
+            if layer.bias is not None:
+                torch.nn.init.zeros_(layer.bias)
 
     def block(self) -> Block:
         eps = self.spec["rms_norm_eps"]
@@ -99,7 +99,7 @@ class DraftHead(torch.nn.Module):
     def forward(self, features, embeddings, cache, past, cos, sin, mask=None) -> torch.Tensor:
         """features, embeddings [B, S, D] at head positions past..past+S-1 -> predicted next features [B, S, D] (B = 1
         drafting; B sequences in a training step)."""
-        x = self.fc(torch.cat([features, embeddings], dim=-1))  # [B, S, D]
+        x = linear(torch.cat([features, embeddings], dim=-1), self.fc.weight, self.fc.bias)  # [B, S, D]
         return decoder_layer(self.block(), self.shape, x, cache, 0, past, cos, sin, mask)
 
 
@@ -171,7 +171,7 @@ class HeadDrafter(Drafter):
 
     def q_of(self, hidden: torch.Tensor, vocab_size: int, params) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted feature [1, 1, D] -> (q [V] float32, zero outside the head's vocabulary; restricted logits [N])."""
-        logits = F.linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0, -1]  # [N]
+        logits = linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0, -1]  # [N]
         probs = logits_to_probs(logits, params)  # [N]: top-k/top-p over N equal them over V with -inf elsewhere
         return torch.zeros(vocab_size, device=probs.device).index_copy_(0, self.vocab, probs), logits
 
