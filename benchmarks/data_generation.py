@@ -15,7 +15,9 @@ import os
 import random
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from specchat import threads  # noqa: E402
+
+threads.prepare_process()  # OpenMP waits as specchat's own commands wait (OMP_WAIT_POLICY=PASSIVE: as before that changed)
 
 import torch  # noqa: E402
 

@@ -17,7 +17,9 @@ import os
 import statistics
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from specchat import threads  # noqa: E402
+
+threads.prepare_process()  # OpenMP waits as specchat's own commands wait (OMP_WAIT_POLICY=PASSIVE: as before that changed)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
