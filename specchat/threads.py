@@ -1,7 +1,7 @@
 """torch's CPU threads: how many, and how they wait.
 
 Two measurements on the 2-core reference machine (README, Threads) decide this:
-- OpenMP threads that spin briefly while they wait make decoding ~1.3x faster than threads that sleep at once:
+- OpenMP threads that spin briefly while they wait make decoding 1.2-1.5x faster than threads that sleep at once:
   a forward has ~120 parallel regions, and waking a sleeping thread for each costs more than the region.
 - Two spinning threads beside a CPU-bound process collapse (0.16-0.39 of their quiet speed): every parallel
   region waits for the thread that shares its core with the other process.
