@@ -23,11 +23,14 @@ def hardware_info(device: torch.device | str, dtype: torch.dtype | str | None = 
     import torch
     import transformers
 
+    from specchat import threads
+
     device = torch.device(device) if isinstance(device, str) and device else device
     info = {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "threads_adaptive": threads.adaptive(),  # the count followed the machine's load during the run (threads.py)
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -113,8 +113,10 @@ class Governor:
         self.cores, self.every_s = cores, every_s
         self.mark = _sample()
         self.changes = 0
+        self.polled = False  # whether a long job has asked it yet (bench, tune and verify never do)
 
     def poll(self) -> None:
+        self.polled = True
         if self.mark is not None and time.monotonic() - self.mark[0] < self.every_s:
             return
         now = _sample()
@@ -149,8 +151,9 @@ def set_threads(requested: int | None) -> int:
 
 
 def adaptive() -> bool:
-    """Whether the thread count follows the machine's load (no --threads, no OMP_NUM_THREADS, specchat's process)."""
-    return _governor is not None
+    """Whether the thread count has followed the machine's load in this run: no --threads, no OMP_NUM_THREADS,
+    specchat's own process, and a reply or training asked (`adapt`)."""
+    return _governor is not None and _governor.polled
 
 
 def adapt() -> None:

@@ -22,7 +22,7 @@ ENGINE_FIELDS = {
 }
 RUN_FIELDS = {"config", "mode", "k", "temperature", "prompt", "repeat", "tokens", "new_tokens", "e2e_s",
               "e2e_tokens_per_s", "tokens_per_s", "time_to_first_token_s", "memory_mb", "text"}
-MACHINE_FIELDS = {"cpu", "cores", "memory_gb", "gpu", "torch", "transformers", "device", "dtype", "torch_threads"}
+MACHINE_FIELDS = {"cpu", "cores", "memory_gb", "gpu", "torch", "transformers", "device", "dtype", "torch_threads", "threads_adaptive"}
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,12 @@ def test_the_governor_drops_a_thread_when_other_work_appears_and_takes_it_back(m
 
 def test_adapt_acts_only_when_specchat_chose_the_threads(monkeypatch, keep_threads):
     polls = []
-    monkeypatch.setattr(threads.Governor, "poll", lambda self: polls.append(self))
+
+    def poll(self):
+        self.polled = True
+        polls.append(self)
+
+    monkeypatch.setattr(threads.Governor, "poll", poll)
     monkeypatch.setattr(threads, "_owns_process", True)
     monkeypatch.setattr(threads, "busy_cores", lambda window=0.2: 0.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -66,6 +71,7 @@ def test_adapt_acts_only_when_specchat_chose_the_threads(monkeypatch, keep_threa
     threads.adapt()
     assert not polls and not threads.adaptive()
     threads.set_threads(None)
+    assert not threads.adaptive()  # not until a reply or training asks
     threads.adapt()
     assert len(polls) == 1 and threads.adaptive()
     monkeypatch.setattr(threads, "_owns_process", False)  # inside a host program (a notebook, this test run)
@@ -99,7 +105,7 @@ def run_fresh(code: str, **env_extra) -> str:
 
 PROBE = ("import os; from specchat.cli import options; from specchat import threads; options.prepare_process(); "
          "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), threads.set_threads(None), "
-         "threads.physical_cores(), threads.adaptive())")
+         "threads.physical_cores(), threads._governor is not None)")
 
 
 def test_a_specchat_process_sets_a_short_spin_and_adaptive_threads():
