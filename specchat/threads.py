@@ -98,11 +98,6 @@ def threads_for(cores: int, busy: float) -> int:
     return max(1, min(cores, int(cores - busy + 0.5)))
 
 
-def default_threads() -> int:
-    """The physical cores that other work leaves free now."""
-    return threads_for(physical_cores(), busy_cores())
-
-
 class Governor:
     """Re-chooses torch's threads while specchat generates. `poll` is cheap (a clock read) except about once a
     second, when it reads /proc/stat and, if the free cores changed, calls torch.set_num_threads. It must be called
@@ -134,17 +129,18 @@ class Governor:
 
 
 def set_threads(requested: int | None) -> int:
-    """torch's CPU threads for this run: --threads, else default_threads() when specchat owns the process and
-    OMP_NUM_THREADS is not set, re-chosen while generating (`adapt`); otherwise what the host chose. Returns the
-    number in force."""
+    """torch's CPU threads for this run: --threads, else, when specchat owns the process and OMP_NUM_THREADS is not
+    set, the physical cores other work leaves free now, re-chosen while generating (`adapt`); otherwise what the
+    host chose. Returns the number in force."""
     import torch
 
     global _governor
     n = requested
     _governor = None
     if n is None and _owns_process and not os.environ.get("OMP_NUM_THREADS"):
-        n = default_threads()
-        _governor = Governor(physical_cores())
+        cores = physical_cores()
+        n = threads_for(cores, busy_cores())
+        _governor = Governor(cores)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     return torch.get_num_threads()
