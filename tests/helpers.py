@@ -3,6 +3,7 @@ machinery with its broken-rule control, and a scripted Session for fast UI tests
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -22,6 +23,15 @@ from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.sampling import logits_to_probs
 from specchat.session import Session
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_env(**extra) -> dict:
+    """The environment for a fresh specchat process: this repository importable, no thread settings inherited."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
 
 # ---------------------------------------------------------------- tiny models
 

@@ -5,7 +5,6 @@ when piped. Tiny models only (tests/helpers.tiny_model_dir); some tests run `spe
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import FakeSession, tiny_model_dir
+from helpers import FakeSession, run_env, tiny_model_dir
 from specchat.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,12 +48,6 @@ def keep_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-
-
-def run_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return {**env, **extra}
 
 
 # ---------------------------------------------------------------- start-up: no torch before it is needed

@@ -4,14 +4,11 @@ is set before torch loads."""
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from helpers import run_env
 from specchat import threads
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -96,9 +93,7 @@ def test_a_session_reply_lets_the_governor_look_between_rounds(monkeypatch, tmp_
 
 
 def run_fresh(code: str, **env_extra) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, **env_extra})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=run_env(**env_extra))
     assert r.returncode == 0 and "libgomp" not in r.stderr, r.stderr
     return r.stdout
 
