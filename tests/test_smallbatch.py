@@ -51,6 +51,36 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
             torch.set_num_threads(threads)
 
 
+@needs_compiler
+def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32():
+    """A draft's matrices in bfloat16 (draft_weights): each weight widened exactly, so the result is the float32
+    product with the rounded weights, summed in the float32 kernel's order (bit-identical to it where D is a
+    multiple of the vector width); more rows than the kernel takes widen the weights for F.linear."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    w16 = smallbatch.draft_weights(w)
+    assert w16.dtype == torch.bfloat16 and w16.is_contiguous()
+    wide = w16.float()
+    with torch.inference_mode():
+        for rows in (1, 5, smallbatch.MAX_ROWS):
+            x = torch.randn(1, rows, 576, generator=g)
+            assert smallbatch.usable(x, w16)
+            for bias in (None, b):
+                assert torch.equal(smallbatch.linear(x, w16, bias), smallbatch.linear(x, wide, bias))
+                torch.testing.assert_close(smallbatch.linear(x, w16, bias), F.linear(x, wide, bias), rtol=1e-5, atol=1e-4)
+        x = torch.randn(1, smallbatch.MAX_ROWS + 1, 576, generator=g)
+        assert not smallbatch.usable(x, w16) and torch.equal(smallbatch.linear(x, w16, b), F.linear(x, wide, b))
+        odd, xo = torch.randn(100, 37, generator=g), torch.randn(1, 3, 37, generator=g)
+        torch.testing.assert_close(smallbatch.linear(xo, smallbatch.draft_weights(odd)), F.linear(xo, odd.bfloat16().float()),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_draft_weights_stay_float32_without_the_kernel(monkeypatch):
+    w = torch.randn(8, 16)
+    monkeypatch.setattr(smallbatch, "enabled", False)
+    assert smallbatch.draft_weights(w) is w
+
+
 def test_elsewhere_it_is_f_linear(monkeypatch):
     """More rows than the kernel takes, another dtype, autograd (the draft head trains through the runner's
     layers) or switched off: F.linear, exactly."""

@@ -6,6 +6,9 @@ machine with the system's C compiler (`cc -O3 -march=native -fopenmp`, about a s
 cache: models.load_model passes it, the engine knows no folders) and loads it with ctypes, which releases the
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
 where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.
+
+Drafts may keep their matrices in bfloat16 (`draft_weights`): the kernel widens each weight to float32 as it
+streams it, so a draft's matmuls read half the bytes and compute in float32 as before.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 enabled = os.environ.get("SPECCHAT_KERNEL", "fused") != "torch"  # benchmarks flip it to compare in one process
 _lib: ctypes.CDLL | None = None
 _fn = None  # its smallbatch_linear
+_fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _lock = threading.Lock()
 
 
@@ -63,7 +67,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn
+    global _lib, _fn, _fn_bf16
     with _lock:
         if _fn is None:
             try:
@@ -73,10 +77,11 @@ def load(folder: Path) -> bool:
             if path is None:
                 return False
             lib = ctypes.CDLL(str(path))
-            fn = lib.smallbatch_linear
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-            _lib, _fn = lib, fn
+            fns = lib.smallbatch_linear, lib.smallbatch_linear_bf16
+            for fn in fns:
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+            _lib, (_fn, _fn_bf16) = lib, fns
     return True
 
 
@@ -86,22 +91,34 @@ def kernel_name() -> str:
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear` takes the kernel for x [..., S, D] (at most MAX_ROWS rows in all) and w [N, D]."""
+    """Whether `linear` takes the kernel for x [..., S, D] float32 (at most MAX_ROWS rows in all) and w [N, D]
+    (float32, or bfloat16 draft weights)."""
     return (
-        enabled and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+        enabled and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)
         and 1 <= x.numel() // x.shape[-1] <= MAX_ROWS and w.is_contiguous() and not torch.is_grad_enabled()
         and _fn is not None
     )
 
 
+def draft_weights(w: torch.Tensor) -> torch.Tensor:
+    """A draft's matrix as `linear` streams it fastest: bfloat16 where the kernel multiplies float32 on the CPU
+    (half the bytes; the draft's output changes by bfloat16's rounding of its weights), else `w` itself."""
+    if enabled and _fn_bf16 is not None and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2:
+        return w.to(torch.bfloat16).contiguous()
+    return w
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself."""
+    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself (bfloat16 draft
+    weights widened to x's dtype first)."""
     if not usable(x, w) or (b is not None and b.dtype != torch.float32):
-        return F.linear(x, w, b)
+        widen = w.dtype == torch.bfloat16 and x.dtype == torch.float32  # a draft's bfloat16 weights, many rows
+        return F.linear(x, w.float() if widen else w, b)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
     S, D = x2.shape
     N = w.shape[0]
     y = torch.empty(S, N, dtype=torch.float32)
     b = b.contiguous() if b is not None else None  # held until the call returns
-    _fn(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D, torch.get_num_threads())
+    fn = _fn if w.dtype == torch.float32 else _fn_bf16
+    fn(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)

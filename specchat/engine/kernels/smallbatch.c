@@ -1,4 +1,7 @@
 /* y[S, N] = x[S, D] @ w[N, D]^T (+ b[N]) for 1 <= S <= 16 rows, reading every weight once for all S rows.
+   Weights in float32 (smallbatch_linear) or bfloat16 (smallbatch_linear_bf16: half the bytes to stream, each
+   weight widened to float32 exactly, float32 products and sums; for drafts, whose weights need not be the
+   target's to the last bit).
 
    On the CPU, PyTorch's GEMM for 4-16 rows costs 1.6-2.5x its one-row matrix-vector product (measured on the
    SmolLM2 matrices), while a decoder step is bound by streaming the weights from memory: a kernel that loads
@@ -24,6 +27,28 @@ static inline vec load(const float *p) {
     return v;
 }
 
+typedef unsigned short hvec __attribute__((vector_size(LANES * sizeof(unsigned short))));
+typedef unsigned int uvec __attribute__((vector_size(LANES * sizeof(unsigned int))));
+
+/* LANES weights as float32, from float32 (bf16 = 0) or bfloat16 (bf16 = 1: its bits are float32's top half) */
+static inline vec load_w(const void *w, long i, const int bf16) {
+    if (!bf16) return load((const float *)w + i);
+    hvec h;
+    memcpy(&h, (const unsigned short *)w + i, sizeof h);
+    uvec u = __builtin_convertvector(h, uvec) << 16;
+    vec v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float w_at(const void *w, long i, const int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    unsigned int u = (unsigned int)((const unsigned short *)w)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static inline float hsum(vec v) {
     float s = 0.0f;
     for (int l = 0; l < LANES; l++) s += v[l];
@@ -31,10 +56,11 @@ static inline float hsum(vec v) {
 }
 
 /* Output rows n0..n1-1 for S rows of x, R weight rows at a time: each x load serves R rows, each weight load
-   S rows, and the R x S accumulators stay in registers. S and R are constants after inlining. */
-static inline __attribute__((always_inline)) void rows(const float *restrict x, const float *restrict w,
+   S rows, and the R x S accumulators stay in registers. S, R and bf16 are constants after inlining. */
+static inline __attribute__((always_inline)) void rows(const float *restrict x, const void *restrict w,
                                                        const float *restrict b, float *restrict y, long n0, long n1,
-                                                       long N, long D, const int S, const int R) {
+                                                       long N, long D, const int S, const int R, const int bf16) {
+    const long size = bf16 ? 2 : 4; /* bytes per weight */
     long n = n0;
     for (; n + R <= n1; n += R) {
         vec acc[4][16] = {0}; /* only [R][S] are used */
@@ -43,8 +69,8 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
             vec wv[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                wv[r] = load(w + (n + r) * D + d);
-                __builtin_prefetch(w + (n + R + r) * D + d); /* the next pass's rows, while this one computes */
+                wv[r] = load_w(w, (n + r) * D + d, bf16);
+                __builtin_prefetch((const char *)w + ((n + R + r) * D + d) * size); /* the next pass's rows */
             }
 #pragma GCC unroll 16
             for (int s = 0; s < S; s++) {
@@ -55,16 +81,15 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const float *wn = w + (n + r) * D;
 #pragma GCC unroll 16
             for (int s = 0; s < S; s++) {
                 float sum = hsum(acc[r][s]);
-                for (long t = d; t < D; t++) sum += wn[t] * x[s * D + t];
+                for (long t = d; t < D; t++) sum += w_at(w, (n + r) * D + t, bf16) * x[s * D + t];
                 y[s * N + n + r] = sum + (b ? b[n + r] : 0.0f);
             }
         }
     }
-    if (n < n1) rows(x, w, b, y, n, n1, N, D, S, 1); /* the last rows of the block, one at a time */
+    if (n < n1) rows(x, w, b, y, n, n1, N, D, S, 1, bf16); /* the last rows of the block, one at a time */
 }
 
 /* Weight rows per pass: as many as the registers hold accumulators for (32 vector registers with AVX-512,
@@ -77,17 +102,29 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
 
 #define BLOCK 32 /* output rows per work item */
 
-#define CASE(S_)                                                                               \
-    case S_:                                                                                   \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")      \
-        for (long n0 = 0; n0 < N; n0 += BLOCK)                                                 \
-            rows(x, w, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_));     \
+#define CASE(S_)                                                                                   \
+    case S_:                                                                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")          \
+        for (long n0 = 0; n0 < N; n0 += BLOCK)                                                     \
+            rows(x, w, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_), BF16);   \
         return 0;
 
-int smallbatch_linear(const float *x, const float *w, const float *b, float *y, long S, long N, long D, int threads) {
-    switch (S) {
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
-    }
+#define CASES                                                       \
+    switch (S) {                                                    \
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) \
+        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16) \
+    }                                                               \
     return -1;
+
+int smallbatch_linear(const float *x, const float *w, const float *b, float *y, long S, long N, long D, int threads) {
+#define BF16 0
+    CASES
+#undef BF16
+}
+
+int smallbatch_linear_bf16(const float *x, const unsigned short *w, const float *b, float *y, long S, long N, long D,
+                           int threads) {
+#define BF16 1
+    CASES
+#undef BF16
 }
