@@ -3,7 +3,8 @@
 import torch
 
 from specchat.engine.acceptance import EXACT, draw_next
-from specchat.engine.sampling import SamplingParams, logits_to_probs
+from specchat.engine.sampling import SamplingParams, logits_to_probs, sample
+from specchat.verify import chi2_sf
 
 
 def test_greedy_is_one_hot_at_argmax_in_float32():
@@ -22,6 +23,39 @@ def test_top_k_and_top_p_shape_the_distribution():
     assert logits_to_probs(logits, SamplingParams(1.0, top_p=0.01)).tolist() == [1.0, 0, 0, 0, 0]  # the top token always stays
     hot = logits_to_probs(logits, SamplingParams(0.5))
     torch.testing.assert_close(hot, torch.softmax(logits / 0.5, -1))
+
+
+def draw_counts(draw, probs: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each id of probs [2, V] came up in n draws of both rows at once."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([draw(probs, g) for _ in range(n)])  # [n, 2]
+    return torch.stack([torch.bincount(ids[:, r], minlength=probs.shape[1]) for r in range(2)])  # [2, V]
+
+
+def test_sample_draws_each_row_from_its_distribution_and_never_a_zero():
+    """One uniform a row through the row's CDF (engine/sampling.sample): rows need not sum to 1 (a residual, q
+    restricted to a draft vocabulary). The control forgets to scale the uniform by the row's total."""
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.4, 0.3, 0.2, 0.0], [0.05, 0.05, 0.1, 0.0, 0.1, 0.1, 0.1]])  # row 2 sums to 0.5
+
+    def unscaled(probs, g):
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand(probs.shape[0], 1, generator=g, dtype=torch.float64)
+        return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(-1)
+
+    for draw, exact in ((sample, True), (unscaled, False)):
+        counts = draw_counts(draw, probs, 6000)
+        worst = 1.0
+        for row, p in zip(counts, probs):
+            support = p > 0
+            if exact:
+                assert not row[~support].any()  # a token of probability 0 never comes up
+            expected = p / p.sum() * row.sum()
+            if row[~support].any():
+                worst = 0.0
+            else:
+                o, e = row[support].double(), expected[support].double()
+                worst = min(worst, chi2_sf(float(((o - e) ** 2 / e).sum()), int(support.sum()) - 1))
+        assert (worst > 1e-3) if exact else (worst < 1e-6)
 
 
 def test_q_zero_never_gives_nan():

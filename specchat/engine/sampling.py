@@ -52,5 +52,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[N, V] probabilities -> [N] token ids, drawn with the run's seeded generator."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """[N, V] probabilities (a row need not sum to 1) -> [N] token ids, drawn with the run's seeded generator: one
+    uniform a row through the row's cumulative sum, in float64. torch.multinomial takes ~1 ms for one draw over a
+    49k vocabulary on the reference CPU, this ~0.05 ms, and a round draws up to K + 1 times. A token of
+    probability 0 is never drawn: u < the row's total, and the first cumulative sum above u is a step up."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
