@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from specchat.engine import Controls, SamplingParams, TargetState, generate  # noqa: E402
 from specchat.engine.drafters.model import ModelDrafter  # noqa: E402
 from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
+from specchat.engine.runner import lean_runner  # noqa: E402
 from specchat.engine.metrics import Stats  # noqa: E402
 from specchat.models import load_model, pick_dtype  # noqa: E402
 
@@ -52,7 +53,8 @@ def main() -> None:
     ids = {p["name"]: target.chat_ids([{"role": "user", "content": p["prompt"]}]) for p in prompts}
 
     configs = {"off": PlainDecoding(), "draft, HF forward": ModelDrafter(draft.model)}
-    configs["draft, lean, full head"] = ModelDrafter.build(target.model, draft.model)
+    configs["draft, lean, float32 weights"] = ModelDrafter(draft.model, lean=lean_runner(draft.model))
+    configs["draft, lean, full head"] = ModelDrafter.build(target.model, draft.model)  # bfloat16 weights on the CPU
     for n in [int(v) for v in args.vocab.split(",") if v]:
         configs[f"draft, lean, --draft-vocab {n}"] = ModelDrafter.build(target.model, draft.model, draft_vocab=n)
 

@@ -9,6 +9,7 @@ from helpers import ReportsWrongQ, assert_verdict, fit_to_target, run, sample_an
 from specchat.engine import SamplingParams, TargetState
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.metrics import Stats
+from specchat.engine.runner import lean_runner
 
 PROMPT = [1, 2, 3]
 
@@ -69,15 +70,22 @@ def test_a_larger_draft_table_is_cut_to_the_target_vocabulary():
 
 
 def test_the_lean_draft_proposes_what_hf_s_forward_does():
+    """On the lean runner with the draft's own float32 weights: HF's forward. Mode draft's own build streams
+    bfloat16 copies of the matrices on the CPU (Runner.streamed): q moves by their rounding only."""
     target, draft = tiny_llama(seed=0, layers=2, vocab=40), tiny_llama(seed=1, layers=2, vocab=40)
-    lean, hf = ModelDrafter.build(target, draft), ModelDrafter(draft)
+    lean, hf, built = ModelDrafter(draft, lean=lean_runner(draft)), ModelDrafter(draft), ModelDrafter.build(target, draft)
     assert lean.lean is not None and hf.lean is None
+    assert built.lean.blocks[0].gate_up_w.dtype == torch.bfloat16 and built.lean.head_w.dtype == torch.bfloat16
+    assert lean.lean.blocks[0].gate_up_w.dtype == torch.float32  # the model's own weights are untouched
     state = TargetState(target)
     state.start(PROMPT + [7, 8, 9])
     a = lean.propose(state, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
     b = hf.propose(state, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
     assert a.ids.tolist() == b.ids.tolist()
     torch.testing.assert_close(a.q, b.q, rtol=1e-4, atol=1e-6)
+    first = built.propose(state, 1, SamplingParams(1.0), torch.Generator().manual_seed(0))
+    assert not torch.equal(first.q[0], a.q[0])
+    torch.testing.assert_close(first.q[0], a.q[0], rtol=0, atol=0.02)
 
 
 def restricted_pair(vocab: int = 30):

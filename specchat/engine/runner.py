@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.engine.cache import CHUNK, KVCache
-from specchat.engine.smallbatch import linear
+from specchat.engine.smallbatch import draft_weights, linear
 
 FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at init (dynamic and longrope change with length)
@@ -189,6 +189,16 @@ class Runner:
         RoPE tables, shared. A low-rank draft runs this way instead of through HF's forward."""
         other = copy.copy(self)
         other.blocks = [dataclasses.replace(b, mlp=mlps[i]) if i in mlps else b for i, b in enumerate(self.blocks)]
+        return other
+
+    def streamed(self) -> "Runner":
+        """This runner for a draft model: its matrices as `linear` streams them fastest (bfloat16 copies on the CPU,
+        smallbatch.draft_weights: half the bytes a draft step reads), everything else shared. The model's own
+        weights stay as they are (the copies add half their size)."""
+        other = copy.copy(self)
+        other.blocks = [dataclasses.replace(b, qkv_w=draft_weights(b.qkv_w), o_w=draft_weights(b.o_w), gate_up_w=draft_weights(b.gate_up_w),
+                                            down_w=draft_weights(b.down_w)) for b in self.blocks]
+        other.head_w = draft_weights(self.head_w)
         return other
 
     # ------------------------------------------------------------ state

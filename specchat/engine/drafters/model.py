@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
 from specchat.engine.sampling import logits_to_probs, sample
+from specchat.engine.smallbatch import linear
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ class ModelDrafter(Drafter):
     (quant, lowrank, layerskip): they differ only in `next_logits`.
 
     Mode draft runs the draft model on the lean runner where it can (the families the target's runner
-    supports; HF's forward otherwise), and with `vocab=N` its LM head only over the N lowest token ids plus its
+    supports; HF's forward otherwise), its matrices in bfloat16 on the CPU (Runner.streamed), and with `vocab=N` its LM head only over the N lowest token ids plus its
     end-of-sequence ids (FR-Spec's restriction, with BPE merge order standing in for frequency: byte-level BPE
     gives its most frequent merges the lowest ids). A draft's LM head is a large part of a small model (a
     0.5B Qwen2.5's 152k rows are ~27% of its weights). q is the softmax over those ids, zero elsewhere: exactly
@@ -43,6 +43,8 @@ class ModelDrafter(Drafter):
         if draft is None:
             raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
         lean = lean_runner(draft)
+        if lean is not None:
+            lean = lean.streamed()  # its matrices in bfloat16 on the CPU: a draft step reads half the bytes
         if draft_vocab is not None and lean is None:
             raise ModeUnavailable(f"--draft-vocab needs a draft the lean runner supports ({unsupported(draft)})")
         return cls(draft, lean=lean, vocab=draft_vocab)
@@ -79,7 +81,7 @@ class ModelDrafter(Drafter):
         hidden = self.lean.run(self.lean.embed(feed), range(self.lean.n_layers), self.cache, len(self.cached))[:, -1:]  # [1, 1, D]
         if self.vocab_ids is None:
             return align_vocab(self.lean.logits(hidden)[-1], vocab_size)
-        scores = F.linear(rms_norm(hidden, self.lean.norm_w, self.lean.norm_eps), self.head_w)[0, -1]  # [N]
+        scores = linear(rms_norm(hidden, self.lean.norm_w, self.lean.norm_eps), self.head_w)[0, -1]  # [N]
         logits = torch.full((vocab_size,), float("-inf"), dtype=scores.dtype, device=scores.device)  # [V_target]
         keep = self.vocab_ids < vocab_size  # ids the target cannot emit are never proposed
         return logits.index_put_((self.vocab_ids[keep],), scores[keep])
