@@ -10,10 +10,12 @@ engine time (draft + verify) over its recent rounds, exponentially weighted, so 
 estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
 accept/reject draw that happened. A round that drafted nothing is a plain step whatever the mode, and counts
-for `off`. Every candidate runs a few rounds first; then each round runs the best, except that a candidate not
-run for a while gets one round again (its wait doubles each time it loses, up to MAX_WAIT rounds, so a stale
-estimate never lasts long), and the incumbent is kept unless another is faster by more than HYSTERESIS
-(switching drafters costs a resync). Prompt lookup is special: it only drafts where the last tokens occurred
+for `off`. The first round of a drafter with a cache of its own (the head, a draft model) after another mode
+ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens of 64
+rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each round
+runs the best, except that a candidate not run for a while runs again (its wait doubles each time it loses,
+up to MAX_WAIT rounds, so a stale estimate never lasts long), and the incumbent is kept unless another is
+faster by more than HYSTERESIS (switching drafters costs a resync). Prompt lookup is special: it only drafts where the last tokens occurred
 before, so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
 match (how far back the tokens before it agree too: a copy in progress, or a chance bigram).
 
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 from specchat.engine.drafters.base import Drafter, ModeUnavailable
 
 CANDIDATES = ("off", "lookup", "head", "draft")  # in the order their first rounds run
-WARMUP = 3  # rounds every candidate runs before the choice starts
+CACHED = {"head", "draft"}  # drafters that catch up on the positions they missed when they run again
+WARMUP = 6  # counted rounds every candidate runs before the choice starts
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss
 HYSTERESIS = 0.05  # another mode must be this much faster to replace the one running
@@ -85,12 +88,15 @@ class AutoDrafter(Drafter):
         self.rates = self._table(None)
         self.rounds = 0
         self.arm = self.choice = "off"  # the arm and the mode of the latest round
+        self.ran: str | None = None  # the mode whose drafter ran the latest round (None: caches just reset)
+        self.caught_up: str | None = None  # the arm whose latest round only caught up (it runs again, counted)
         self.why = "measuring every mode first"
 
     def reset(self) -> None:
         """The candidates forget their caches; the rates stay: they are what this session learnt about the machine."""
         for drafter in self.candidates.values():
             drafter.reset()
+        self.ran = None
 
     @property
     def max_draft(self) -> int | None:
@@ -125,6 +131,8 @@ class AutoDrafter(Drafter):
                 return arm, "measuring every mode first"
         best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
+        if self.caught_up in eligible and self.caught_up != best:
+            return self.caught_up, f"re-measuring {self.caught_up}"  # the round that counts, after catching up
         for arm in eligible:
             if arm != best and self.rounds - rates[arm].last > rates[arm].wait:
                 rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
@@ -138,6 +146,10 @@ class AutoDrafter(Drafter):
         return f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
 
     def observe(self, record) -> None:
+        catching_up, self.ran = record.mode in CACHED and record.mode != self.ran, record.mode
+        self.caught_up = self.arm if catching_up else None
+        if catching_up:
+            return  # its draft time includes feeding what it missed: not this mode's cost per round
         if not record.drafted:
             if record.index == 0:
                 return  # round 0 without drafts: its token came with the prefill, there is no step to time
