@@ -179,7 +179,7 @@ def test_greedy_is_plain_greedy_while_switching_every_round(tiny_target, tiny_dr
 def test_greedy_with_the_real_choice(tiny_target, tiny_draft):
     plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
     auto = build_drafter("auto", tiny_target, tiny_draft)
-    assert set(auto.candidates) == {"off", "lookup", "draft"}  # no head for a random model
+    assert set(auto.candidates) == {"off", "lookup", "quant", "draft"}  # no head for a random model
     out, records = run(tiny_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
     assert out == plain and {r.mode for r in records} >= {"off", "draft"}
 
@@ -206,7 +206,8 @@ def test_sampled_output_matches_target_distribution_while_switching(tiny_target,
 
 
 def test_verify_and_generate_run_auto(tmp_path):
-    """The commands build auto from the loaded models (here off, lookup and the draft model) and run it."""
+    """The commands build auto from the loaded models (here off, lookup, quant's int8 copy and the draft model) and
+    run it."""
     import json
 
     from click.testing import CliRunner
@@ -219,8 +220,8 @@ def test_verify_and_generate_run_auto(tmp_path):
     r = CliRunner().invoke(main, ["verify", *common, "-n", "40", "--format", "json"], catch_exceptions=False)
     report = json.loads(r.stdout)
     assert r.exit_code == 0 and report["verdict"] == "pass" and report["max_drafted"] == 4, r.output
-    r = CliRunner().invoke(main, ["generate", *common, "--prompt", "hello", "--max-new-tokens", "40", "--format", "json"],
+    r = CliRunner().invoke(main, ["generate", *common, "--prompt", "hello", "--max-new-tokens", "120", "--format", "json"],
                            catch_exceptions=False)
     summary = json.loads(r.stdout.splitlines()[-1])
-    assert r.exit_code == 0 and summary["mode"] == "auto" and summary["new_tokens"] == 40
-    assert set(summary["rounds_by_mode"]) <= {"off", "lookup", "draft"} and "draft" in summary["rounds_by_mode"]
+    assert r.exit_code == 0 and summary["mode"] == "auto" and summary["new_tokens"] == 120
+    assert set(summary["rounds_by_mode"]) <= {"off", "lookup", "quant", "draft"} and {"quant", "draft"} <= set(summary["rounds_by_mode"])

@@ -1,5 +1,6 @@
 """Mode `quant`: an int8 copy of the target drafts. Greedy identity, exact sampling, unavailability, memory."""
 
+import copy
 import sys
 
 import pytest
@@ -54,10 +55,39 @@ def test_sampled_output_matches_target_distribution(rough_target, broken):
 
 
 def test_extra_memory_is_about_one_byte_per_linear_weight(rough_target):
-    drafter = build_drafter("quant", rough_target)
     linears = [m for m in rough_target.modules() if isinstance(m, torch.nn.Linear)]
-    # int8 weights + a float64 scale and an int64 zero point per output row; the embedding is shared
+    # the lean int8 copy: int8 weights + a float32 scale per output row; embedding, norms and biases shared
+    drafter = build_drafter("quant", rough_target)
+    assert drafter.backend == "int8" and drafter.weight_bytes == sum(m.weight.numel() + 4 * m.out_features for m in linears)
+    # torch.ao: int8 weights + a float64 scale and an int64 zero point per output row; the embedding is shared
+    drafter = build_drafter("quant", rough_target, quant_backend="torch.ao")
     assert drafter.weight_bytes == sum(m.weight.numel() + 16 * m.out_features for m in linears)
+
+
+def test_the_int8_copy_is_the_target_rounded_per_row(rough_target):
+    """Backend int8 (a float32 target on the CPU): every matrix of the lean runner as int8 with a scale per output
+    row, within half a step of the target's weight; the target's own weights untouched."""
+    before = {n: p.clone() for n, p in rough_target.named_parameters()}
+    drafter = build_drafter("quant", rough_target)
+    block, layer = drafter.lean.blocks[0], rough_target.model.layers[0]
+    for int8, w in ((block.gate_up_w, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])),
+                    (block.down_w, layer.mlp.down_proj.weight), (drafter.lean.head_w, rough_target.lm_head.weight)):
+        assert int8.q.dtype == torch.int8 and int8.q.abs().max() == 127
+        assert ((int8.float() - w).abs() <= int8.scale[:, None] / 2 + 1e-6).all()
+    for n, p in rough_target.named_parameters():
+        assert torch.equal(p, before[n]), n
+    with pytest.raises(ModeUnavailable, match="float32 target on the CPU"):
+        build_drafter("quant", copy.deepcopy(rough_target).to(torch.bfloat16), quant_backend="int8")
+
+
+@pytest.mark.parametrize("backend", ["int8", "torch.ao"])
+def test_greedy_matches_hf_generate_with_either_cpu_backend(rough_target, backend):
+    prompt = [3, 1, 4, 1, 5]
+    ref = rough_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
+    drafter = build_drafter("quant", rough_target, quant_backend=backend)
+    out, records = run(rough_target, drafter, prompt, k=4, params=SamplingParams(0), max_new_tokens=40)
+    assert drafter.backend == backend and out == ref[0, len(prompt):].tolist()
+    assert sum(r.accepted for r in records) > 0
 
 
 class FakeCudaModel:
@@ -82,4 +112,4 @@ def test_default_model_greedy_matches_hf_generate(smol, text):
     records = list(generate(state, prompt, controls, max_new_tokens=24, eos_ids={smol.model.generation_config.eos_token_id}))
     out = [t.id for r in records for t in r.tokens]
     assert out == ref[0, len(prompt):].tolist()
-    assert sum(r.accepted for r in records) / sum(r.drafted for r in records) > 0.3
+    assert sum(r.accepted for r in records) / sum(r.drafted for r in records) > 0.8  # the int8 copy agrees ~98% of the time

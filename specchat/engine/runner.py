@@ -191,15 +191,20 @@ class Runner:
         other.blocks = [dataclasses.replace(b, mlp=mlps[i]) if i in mlps else b for i, b in enumerate(self.blocks)]
         return other
 
+    def with_weights(self, convert) -> "Runner":
+        """This runner with every matrix (QKV, o, gate/up, down, LM head) replaced by convert(matrix) and everything
+        else shared (embedding, norms, biases, RoPE tables): the target's own weights at a lower precision, for a
+        draft (`streamed`, mode quant). The model's own weights stay as they are."""
+        other = copy.copy(self)
+        other.blocks = [dataclasses.replace(b, qkv_w=convert(b.qkv_w), o_w=convert(b.o_w), gate_up_w=convert(b.gate_up_w),
+                                            down_w=convert(b.down_w)) for b in self.blocks]
+        other.head_w = convert(self.head_w)
+        return other
+
     def streamed(self) -> "Runner":
         """This runner for a draft model: its matrices as `linear` streams them fastest (bfloat16 copies on the CPU,
-        smallbatch.draft_weights: half the bytes a draft step reads), everything else shared. The model's own
-        weights stay as they are (the copies add half their size)."""
-        other = copy.copy(self)
-        other.blocks = [dataclasses.replace(b, qkv_w=draft_weights(b.qkv_w), o_w=draft_weights(b.o_w), gate_up_w=draft_weights(b.gate_up_w),
-                                            down_w=draft_weights(b.down_w)) for b in self.blocks]
-        other.head_w = draft_weights(self.head_w)
-        return other
+        smallbatch.draft_weights: half the bytes a draft step reads; the copies add half the model's size)."""
+        return self.with_weights(draft_weights)
 
     # ------------------------------------------------------------ state
     def new_cache(self, rows: int = 1) -> KVCache:

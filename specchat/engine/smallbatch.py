@@ -7,8 +7,9 @@ cache: models.load_model passes it, the engine knows no folders) and loads it wi
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
 where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.
 
-Drafts may keep their matrices in bfloat16 (`draft_weights`): the kernel widens each weight to float32 as it
-streams it, so a draft's matmuls read half the bytes and compute in float32 as before.
+Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
+(`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
+read a half or a quarter of the bytes and compute in float32 as before.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ enabled = os.environ.get("SPECCHAT_KERNEL", "fused") != "torch"  # benchmarks fl
 _lib: ctypes.CDLL | None = None
 _fn = None  # its smallbatch_linear
 _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
+_fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
 _lock = threading.Lock()
 
 
@@ -67,7 +70,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16
+    global _lib, _fn, _fn_bf16, _fn_int8
     with _lock:
         if _fn is None:
             try:
@@ -77,11 +80,12 @@ def load(folder: Path) -> bool:
             if path is None:
                 return False
             lib = ctypes.CDLL(str(path))
-            fns = lib.smallbatch_linear, lib.smallbatch_linear_bf16
+            fns = lib.smallbatch_linear, lib.smallbatch_linear_bf16, lib.smallbatch_linear_int8
             for fn in fns:
                 fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-            _lib, (_fn, _fn_bf16) = lib, fns
+                pointers = 5 if fn is fns[2] else 4  # x, w, (scale,) b, y
+                fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_long] * 3 + [ctypes.c_int]
+            _lib, (_fn, _fn_bf16, _fn_int8) = lib, fns
     return True
 
 
@@ -90,13 +94,47 @@ def kernel_name() -> str:
     return "fused" if enabled and _fn is not None else "torch"
 
 
+@dataclass(frozen=True)
+class Int8Weights:
+    """A draft's matrix w [N, D] as int8 with one float32 scale per output row: w ~ q * scale[:, None]
+    (round to nearest, |q| <= 127). `linear` multiplies by it in the kernel, or widens it for F.linear."""
+
+    q: torch.Tensor  # [N, D] int8
+    scale: torch.Tensor  # [N] float32
+
+    @staticmethod
+    def of(w: torch.Tensor) -> "Int8Weights":
+        w = w.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]; an all-zero row stays 0
+        return Int8Weights((w / scale[:, None]).round().clamp_(-127, 127).to(torch.int8).contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+    def float(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]  # [N, D]
+
+
+def int8_usable() -> bool:
+    """Whether `linear` multiplies by Int8Weights in the kernel (else it widens them for F.linear, slowly)."""
+    return enabled and _fn_int8 is not None
+
+
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear` takes the kernel for x [..., S, D] float32 (at most MAX_ROWS rows in all) and w [N, D]
     (float32, or bfloat16 draft weights)."""
+    return _rows_fit(x) and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
     return (
-        enabled and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16)
-        and 1 <= x.numel() // x.shape[-1] <= MAX_ROWS and w.is_contiguous() and not torch.is_grad_enabled()
-        and _fn is not None
+        enabled and _fn is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        and 1 <= x.numel() // x.shape[-1] <= MAX_ROWS and not torch.is_grad_enabled()
     )
 
 
@@ -108,9 +146,11 @@ def draft_weights(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself (bfloat16 draft
-    weights widened to x's dtype first)."""
+def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself (a draft's bfloat16
+    or int8 weights widened to float32 first)."""
+    if isinstance(w, Int8Weights):
+        return _linear_int8(x, w, b)
     if not usable(x, w) or (b is not None and b.dtype != torch.float32):
         widen = w.dtype == torch.bfloat16 and x.dtype == torch.float32  # a draft's bfloat16 weights, many rows
         return F.linear(x, w.float() if widen else w, b)
@@ -121,4 +161,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     b = b.contiguous() if b is not None else None  # held until the call returns
     fn = _fn if w.dtype == torch.float32 else _fn_bf16
     fn(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D, torch.get_num_threads())
+    return y.view(*x.shape[:-1], N)
+
+
+def _linear_int8(x: torch.Tensor, w: Int8Weights, b: torch.Tensor | None) -> torch.Tensor:
+    if not (_rows_fit(x) and int8_usable()) or (b is not None and b.dtype != torch.float32):
+        return F.linear(x, w.float().to(x.dtype), b)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
+    S, D = x2.shape
+    N = w.shape[0]
+    y = torch.empty(S, N, dtype=torch.float32)
+    b = b.contiguous() if b is not None else None
+    _fn_int8(x2.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D,
+             torch.get_num_threads())
     return y.view(*x.shape[:-1], N)

@@ -1,8 +1,8 @@
 """Mode `auto`: each round, the mode measured fastest so far in this session.
 
 It does not draft itself: `for_round` hands the loop one of its candidates (plain decoding, prompt lookup, the
-draft head, a draft model: whichever can run), and the loop runs that round exactly as if the user had chosen
-that mode. The choice depends only on earlier rounds, never on this round's draws, and every candidate is
+draft head, the int8 copy of mode quant, a draft model: whichever can run), and the loop runs that round
+exactly as if the user had chosen that mode. The choice depends only on earlier rounds, never on this round's draws, and every candidate is
 exact, so `auto` is exact too.
 
 What it measures: per mode and sampling setting (acceptance depends on the temperature), tokens per second of
@@ -10,7 +10,7 @@ engine time (draft + verify) over its recent rounds, exponentially weighted, so 
 estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
 accept/reject draw that happened. A round that drafted nothing is a plain step whatever the mode, and counts
-for `off`. The first round of a drafter with a cache of its own (the head, a draft model) after another mode
+for `off`. The first round of a drafter with a cache of its own (the head, quant, a draft model) after another mode
 ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens of 64
 rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each round
 runs the best, except that a candidate not run for a while runs again (its wait doubles each time it loses,
@@ -19,9 +19,10 @@ faster by more than HYSTERESIS (switching drafters costs a resync). Prompt looku
 before, so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
 match (how far back the tokens before it agree too: a copy in progress, or a chance bigram).
 
-Left out: the self-speculative modes. layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a
-step per draft on every model measured) and could only lose, and quant and lowrank build a second copy of
-the weights, which would stall a reply for seconds. They stay one key away.
+Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
+model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would
+stall a reply. quant is a candidate where its int8 copy runs on the lean runner's kernel (built in ~0.3 s
+for the default model). The others stay one key away.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from dataclasses import dataclass
 
 from specchat.engine.drafters.base import Drafter, ModeUnavailable
 
-CANDIDATES = ("off", "lookup", "head", "draft")  # in the order their first rounds run
-CACHED = {"head", "draft"}  # drafters that catch up on the positions they missed when they run again
+CANDIDATES = ("off", "lookup", "head", "quant", "draft")  # in the order their first rounds run
+CACHED = {"head", "quant", "draft"}  # drafters that catch up on the positions they missed when they run again
+ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
 WARMUP = 6  # counted rounds every candidate runs before the choice starts
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss
@@ -71,8 +73,8 @@ class AutoDrafter(Drafter):
         candidates = {}
         for mode in CANDIDATES:
             try:
-                candidates[mode] = build_candidate(mode, target, draft, **options)
-            except ModeUnavailable:  # no head for this target, no draft model: not a candidate
+                candidates[mode] = build_candidate(mode, target, draft, **{**options, **ONLY.get(mode, {})})
+            except ModeUnavailable:  # no head for this target, no draft model, no int8 kernel: not a candidate
                 pass
         return cls(candidates)
 

@@ -1,6 +1,12 @@
 """Mode `quant`: an int8 weight copy of the target drafts; the target's own weights verify.
 
-On CPU the copy uses torch.ao dynamic quantisation (int8 weights, activations quantised per step,
+On a CPU where the lean runner and its kernel run (backend "int8", the default there), the draft is the
+target's lean runner with every matrix as int8 and a float32 scale per output row (smallbatch.Int8Weights,
+round to nearest): the kernel widens the int8 weights to float32 as it streams them, so a draft step reads a
+quarter of the target's bytes while activations, products and sums stay float32. It agreed with the float32
+target's greedy token at 0.976 of reply positions on the default model (benchmarks/RESULTS.md).
+
+Elsewhere on CPU the copy uses torch.ao dynamic quantisation (int8 weights, activations quantised per step,
 fbgemm/x86 kernels). torch.ao.quantization is deprecated in favour of torchao, but torchao's int8
 paths run in eager mode through tensor-subclass dispatch and were measured slower than the fp32
 model itself here (benchmarks/RESULTS.md): a draft that is slower than the target is no
@@ -22,6 +28,8 @@ import torch
 
 from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
+from specchat.engine.runner import lean_runner, unsupported
+from specchat.engine.smallbatch import Int8Weights, int8_usable
 
 
 def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
@@ -92,7 +100,17 @@ class QuantDrafter(CopyDrafter):
         device = target.device
         backend = quant_backend
         if backend == "auto":
-            backend = "torch.ao" if device.type == "cpu" else "torchao"
+            lean_int8 = device.type == "cpu" and target.dtype == torch.float32 and unsupported(target) is None and int8_usable()
+            backend = "int8" if lean_int8 else "torch.ao" if device.type == "cpu" else "torchao"
+        if backend == "int8":
+            if device.type != "cpu" or target.dtype != torch.float32:
+                raise ModeUnavailable(f"mode 'quant' with int8 kernels needs a float32 target on the CPU, not {target.dtype} on {device}")
+            if unsupported(target) is not None or not int8_usable():
+                why = unsupported(target) or "the fused kernel is not built (no C compiler, or SPECCHAT_KERNEL=torch)"
+                raise ModeUnavailable(f"mode 'quant' with int8 kernels needs the lean runner and its kernel: {why}")
+            lean = lean_runner(target).with_weights(Int8Weights.of)
+            extra = sum(w.nbytes for b in lean.blocks for w in (b.qkv_w, b.o_w, b.gate_up_w, b.down_w)) + lean.head_w.nbytes
+            return cls(target, backend=backend, weight_bytes=extra, lean=lean)
         if backend == "torch.ao":
             if device.type != "cpu":
                 raise ModeUnavailable(f"mode 'quant': torch.ao dynamic int8 runs on CPU only, the target is on {device}")
@@ -106,10 +124,10 @@ class QuantDrafter(CopyDrafter):
                 raise ModeUnavailable(f"mode 'quant' on {device.type} needs torchao for int8 weights: pip install torchao") from None
             model, extra = torchao_int8_copy(target)
         else:
-            raise ModeUnavailable(f"unknown quant backend {quant_backend!r}; use auto, torch.ao or torchao")
+            raise ModeUnavailable(f"unknown quant backend {quant_backend!r}; use auto, int8, torch.ao or torchao")
         return cls(model, backend=backend, weight_bytes=extra)
 
-    def __init__(self, model, *, backend: str, weight_bytes: int) -> None:
-        super().__init__(model)
+    def __init__(self, model, *, backend: str, weight_bytes: int, lean=None) -> None:
+        super().__init__(model, lean=lean)
         self.backend, self.weight_bytes = backend, weight_bytes
 

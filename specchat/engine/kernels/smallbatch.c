@@ -1,7 +1,8 @@
 /* y[S, N] = x[S, D] @ w[N, D]^T (+ b[N]) for 1 <= S <= 16 rows, reading every weight once for all S rows.
-   Weights in float32 (smallbatch_linear) or bfloat16 (smallbatch_linear_bf16: half the bytes to stream, each
-   weight widened to float32 exactly, float32 products and sums; for drafts, whose weights need not be the
-   target's to the last bit).
+   Weights in float32 (smallbatch_linear), or, for drafts, whose weights need not be the target's to the last
+   bit, in bfloat16 (smallbatch_linear_bf16: half the bytes to stream, each weight widened to float32 exactly)
+   or int8 with a float32 scale per output row (smallbatch_linear_int8: a quarter of the bytes; y = scale[n] *
+   sum x w). Products and sums are float32 in every case.
 
    On the CPU, PyTorch's GEMM for 4-16 rows costs 1.6-2.5x its one-row matrix-vector product (measured on the
    SmolLM2 matrices), while a decoder step is bound by streaming the weights from memory: a kernel that loads
@@ -13,6 +14,9 @@
    Threads: OpenMP over blocks of output rows; the process's OpenMP runtime is torch's own (same soname). */
 
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -27,12 +31,33 @@ static inline vec load(const float *p) {
     return v;
 }
 
+enum { F32 = 4, BF16 = 2, INT8 = 1 }; /* weight kinds, by their bytes per weight */
 typedef unsigned short hvec __attribute__((vector_size(LANES * sizeof(unsigned short))));
 typedef unsigned int uvec __attribute__((vector_size(LANES * sizeof(unsigned int))));
+typedef signed char cvec __attribute__((vector_size(LANES)));
+typedef int ivec __attribute__((vector_size(LANES * sizeof(int))));
 
-/* LANES weights as float32, from float32 (bf16 = 0) or bfloat16 (bf16 = 1: its bits are float32's top half) */
-static inline vec load_w(const void *w, long i, const int bf16) {
-    if (!bf16) return load((const float *)w + i);
+/* LANES int8 weights as float32: GCC scalarises the generic conversion of a char vector, so x86 says it */
+static inline vec widen_int8(const signed char *p) {
+    vec v;
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&v, &f, sizeof v);
+#else
+    cvec c;
+    memcpy(&c, p, sizeof c);
+    v = __builtin_convertvector(__builtin_convertvector(c, ivec), vec);
+#endif
+    return v;
+}
+
+/* LANES weights from element i on, as float32 (a bfloat16's bits are a float32's top half) */
+static inline vec load_w(const void *w, long i, const int kind) {
+    if (kind == F32) return load((const float *)w + i);
+    if (kind == INT8) return widen_int8((const signed char *)w + i);
     hvec h;
     memcpy(&h, (const unsigned short *)w + i, sizeof h);
     uvec u = __builtin_convertvector(h, uvec) << 16;
@@ -41,8 +66,9 @@ static inline vec load_w(const void *w, long i, const int bf16) {
     return v;
 }
 
-static inline float w_at(const void *w, long i, const int bf16) {
-    if (!bf16) return ((const float *)w)[i];
+static inline float w_at(const void *w, long i, const int kind) {
+    if (kind == F32) return ((const float *)w)[i];
+    if (kind == INT8) return (float)((const signed char *)w)[i];
     unsigned int u = (unsigned int)((const unsigned short *)w)[i] << 16;
     float f;
     memcpy(&f, &u, sizeof f);
@@ -56,11 +82,12 @@ static inline float hsum(vec v) {
 }
 
 /* Output rows n0..n1-1 for S rows of x, R weight rows at a time: each x load serves R rows, each weight load
-   S rows, and the R x S accumulators stay in registers. S, R and bf16 are constants after inlining. */
+   S rows, and the R x S accumulators stay in registers. S, R and kind are constants after inlining; scale
+   (int8 only) multiplies each output row's sum. */
 static inline __attribute__((always_inline)) void rows(const float *restrict x, const void *restrict w,
-                                                       const float *restrict b, float *restrict y, long n0, long n1,
-                                                       long N, long D, const int S, const int R, const int bf16) {
-    const long size = bf16 ? 2 : 4; /* bytes per weight */
+                                                       const float *restrict scale, const float *restrict b,
+                                                       float *restrict y, long n0, long n1, long N, long D,
+                                                       const int S, const int R, const int kind) {
     long n = n0;
     for (; n + R <= n1; n += R) {
         vec acc[4][16] = {0}; /* only [R][S] are used */
@@ -69,8 +96,8 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
             vec wv[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                wv[r] = load_w(w, (n + r) * D + d, bf16);
-                __builtin_prefetch((const char *)w + ((n + R + r) * D + d) * size); /* the next pass's rows */
+                wv[r] = load_w(w, (n + r) * D + d, kind);
+                __builtin_prefetch((const char *)w + ((n + R + r) * D + d) * kind); /* the next pass's rows */
             }
 #pragma GCC unroll 16
             for (int s = 0; s < S; s++) {
@@ -84,12 +111,13 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
 #pragma GCC unroll 16
             for (int s = 0; s < S; s++) {
                 float sum = hsum(acc[r][s]);
-                for (long t = d; t < D; t++) sum += w_at(w, (n + r) * D + t, bf16) * x[s * D + t];
+                for (long t = d; t < D; t++) sum += w_at(w, (n + r) * D + t, kind) * x[s * D + t];
+                if (kind == INT8) sum *= scale[n + r];
                 y[s * N + n + r] = sum + (b ? b[n + r] : 0.0f);
             }
         }
     }
-    if (n < n1) rows(x, w, b, y, n, n1, N, D, S, 1, bf16); /* the last rows of the block, one at a time */
+    if (n < n1) rows(x, w, scale, b, y, n, n1, N, D, S, 1, kind); /* the last rows of the block, one at a time */
 }
 
 /* Weight rows per pass: as many as the registers hold accumulators for (32 vector registers with AVX-512,
@@ -106,7 +134,7 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
     case S_:                                                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")          \
         for (long n0 = 0; n0 < N; n0 += BLOCK)                                                     \
-            rows(x, w, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_), BF16);   \
+            rows(x, w, scale, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, ROWS_FOR(S_), KIND); \
         return 0;
 
 #define CASES                                                       \
@@ -117,14 +145,23 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
     return -1;
 
 int smallbatch_linear(const float *x, const float *w, const float *b, float *y, long S, long N, long D, int threads) {
-#define BF16 0
+    const float *scale = 0;
+#define KIND F32
     CASES
-#undef BF16
+#undef KIND
 }
 
 int smallbatch_linear_bf16(const float *x, const unsigned short *w, const float *b, float *y, long S, long N, long D,
                            int threads) {
-#define BF16 1
+    const float *scale = 0;
+#define KIND BF16
     CASES
-#undef BF16
+#undef KIND
+}
+
+int smallbatch_linear_int8(const float *x, const signed char *w, const float *scale, const float *b, float *y, long S,
+                           long N, long D, int threads) {
+#define KIND INT8
+    CASES
+#undef KIND
 }
