@@ -75,6 +75,29 @@ def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32
                                    rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
+def test_int8_weights_multiply_as_their_float32_widening():
+    """Int8Weights (mode quant): round to nearest per row, the kernel's result is x @ (q * scale)^T in float32,
+    the same for a row whatever the batch; more rows than the kernel takes widen them for F.linear."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    w[5] = 0.0  # an all-zero row stays zero
+    int8 = smallbatch.Int8Weights.of(w)
+    assert int8.q.dtype == torch.int8 and int8.shape == w.shape and int8.nbytes == 960 * 576 + 4 * 960
+    assert ((int8.float() - w).abs() <= int8.scale[:, None] / 2 + 1e-6).all() and not int8.float()[5].any()
+    wide = int8.float()
+    with torch.inference_mode():
+        x = torch.randn(1, smallbatch.MAX_ROWS, 576, generator=g)
+        full = smallbatch.linear(x, int8, b)
+        torch.testing.assert_close(full, F.linear(x, wide, b), rtol=1e-5, atol=1e-4)
+        assert all(torch.equal(smallbatch.linear(x[:, i : i + 1], int8, b)[0, 0], full[0, i]) for i in range(x.shape[1]))
+        many = torch.randn(1, smallbatch.MAX_ROWS + 1, 576, generator=g)
+        assert torch.equal(smallbatch.linear(many, int8, b), F.linear(many, wide, b))
+        odd, xo = torch.randn(100, 37, generator=g), torch.randn(1, 3, 37, generator=g)
+        torch.testing.assert_close(smallbatch.linear(xo, smallbatch.Int8Weights.of(odd)), F.linear(xo, smallbatch.Int8Weights.of(odd).float()),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_draft_weights_stay_float32_without_the_kernel(monkeypatch):
     w = torch.randn(8, 16)
     monkeypatch.setattr(smallbatch, "enabled", False)

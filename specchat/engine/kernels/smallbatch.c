@@ -112,8 +112,10 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
             for (int s = 0; s < S; s++) {
                 float sum = hsum(acc[r][s]);
                 for (long t = d; t < D; t++) sum += w_at(w, (n + r) * D + t, kind) * x[s * D + t];
-                if (kind == INT8) sum *= scale[n + r];
-                y[s * N + n + r] = sum + (b ? b[n + r] : 0.0f);
+                /* one explicit fused multiply-add for int8: left to the compiler, whether it contracts the
+                   scale and the bias into one (a rounding less) would depend on S */
+                const float bias = b ? b[n + r] : 0.0f;
+                y[s * N + n + r] = kind == INT8 ? __builtin_fmaf(sum, scale[n + r], bias) : sum + bias;
             }
         }
     }
