@@ -55,7 +55,7 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
 def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32():
     """A draft's matrices in bfloat16 (draft_weights): each weight widened exactly, so the result is the float32
     product with the rounded weights, summed in the float32 kernel's order (bit-identical to it where D is a
-    multiple of the vector width); more rows than the kernel takes widen the weights for F.linear."""
+    multiple of the vector width); more rows than the kernel takes go through it MAX_ROWS at a time."""
     g = torch.Generator().manual_seed(2)
     w, b = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     w16 = smallbatch.draft_weights(w)
@@ -68,8 +68,10 @@ def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32
             for bias in (None, b):
                 assert torch.equal(smallbatch.linear(x, w16, bias), smallbatch.linear(x, wide, bias))
                 torch.testing.assert_close(smallbatch.linear(x, w16, bias), F.linear(x, wide, bias), rtol=1e-5, atol=1e-4)
-        x = torch.randn(1, smallbatch.MAX_ROWS + 1, 576, generator=g)
-        assert not smallbatch.usable(x, w16) and torch.equal(smallbatch.linear(x, w16, b), F.linear(x, wide, b))
+        x = torch.randn(1, 2 * smallbatch.MAX_ROWS + 3, 576, generator=g)
+        chunked = torch.cat([smallbatch.linear(x[:, i : i + smallbatch.MAX_ROWS], w16, b) for i in range(0, x.shape[1], smallbatch.MAX_ROWS)], 1)
+        assert not smallbatch.usable(x, w16) and torch.equal(smallbatch.linear(x, w16, b), chunked)
+        torch.testing.assert_close(chunked, F.linear(x, wide, b), rtol=1e-5, atol=1e-4)
         odd, xo = torch.randn(100, 37, generator=g), torch.randn(1, 3, 37, generator=g)
         torch.testing.assert_close(smallbatch.linear(xo, smallbatch.draft_weights(odd)), F.linear(xo, odd.bfloat16().float()),
                                    rtol=1e-5, atol=1e-5)
@@ -78,7 +80,7 @@ def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32
 @needs_compiler
 def test_int8_weights_multiply_as_their_float32_widening():
     """Int8Weights (mode quant): round to nearest per row, the kernel's result is x @ (q * scale)^T in float32,
-    the same for a row whatever the batch; more rows than the kernel takes widen them for F.linear."""
+    the same for a row whatever the batch, MAX_ROWS at a time for more rows."""
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     w[5] = 0.0  # an all-zero row stays zero
@@ -91,8 +93,9 @@ def test_int8_weights_multiply_as_their_float32_widening():
         full = smallbatch.linear(x, int8, b)
         torch.testing.assert_close(full, F.linear(x, wide, b), rtol=1e-5, atol=1e-4)
         assert all(torch.equal(smallbatch.linear(x[:, i : i + 1], int8, b)[0, 0], full[0, i]) for i in range(x.shape[1]))
-        many = torch.randn(1, smallbatch.MAX_ROWS + 1, 576, generator=g)
-        assert torch.equal(smallbatch.linear(many, int8, b), F.linear(many, wide, b))
+        many = torch.randn(1, 3 * smallbatch.MAX_ROWS, 576, generator=g)
+        torch.testing.assert_close(smallbatch.linear(many, int8, b), F.linear(many, wide, b), rtol=1e-5, atol=1e-4)
+        assert torch.equal(smallbatch.linear(many, int8, b)[0, -1], smallbatch.linear(many[:, -1:], int8, b)[0, 0])
         odd, xo = torch.randn(100, 37, generator=g), torch.randn(1, 3, 37, generator=g)
         torch.testing.assert_close(smallbatch.linear(xo, smallbatch.Int8Weights.of(odd)), F.linear(xo, smallbatch.Int8Weights.of(odd).float()),
                                    rtol=1e-5, atol=1e-5)

@@ -147,31 +147,36 @@ def draft_weights(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself (a draft's bfloat16
-    or int8 weights widened to float32 first)."""
-    if isinstance(w, Int8Weights):
-        return _linear_int8(x, w, b)
+    """F.linear: the fused kernel when `usable` (b, if any, float32 [N]), else F.linear itself. A draft's bfloat16
+    or int8 weights (x float32) take the kernel MAX_ROWS rows at a time whatever the rows: every pass streams the
+    narrow weights, which costs less than widening them all to float32 for one GEMM (a draft catching up on a
+    prompt)."""
+    if isinstance(w, Int8Weights) or (w.dtype == torch.bfloat16 and x.dtype == torch.float32):
+        return _draft_linear(x, w, b)
     if not usable(x, w) or (b is not None and b.dtype != torch.float32):
-        widen = w.dtype == torch.bfloat16 and x.dtype == torch.float32  # a draft's bfloat16 weights, many rows
-        return F.linear(x, w.float() if widen else w, b)
+        return F.linear(x, w, b)
+    return _kernel(_fn, x, w, b)
+
+
+def _draft_linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | None) -> torch.Tensor:
+    fn = _fn_int8 if isinstance(w, Int8Weights) else _fn_bf16
+    x2 = x.reshape(-1, x.shape[-1])  # [S, D]
+    if fn is None or not _rows_fit(x2[:1]) or (b is not None and b.dtype != torch.float32):
+        return F.linear(x, w.float(), b)
+    y = torch.cat([_kernel(fn, rows, w, b) for rows in x2.split(MAX_ROWS)])  # [S, N]
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | None) -> torch.Tensor:
+    """fn over x [..., S, D] (S <= MAX_ROWS rows in all) -> [..., S, N] float32."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
     S, D = x2.shape
     N = w.shape[0]
     y = torch.empty(S, N, dtype=torch.float32)
     b = b.contiguous() if b is not None else None  # held until the call returns
-    fn = _fn if w.dtype == torch.float32 else _fn_bf16
-    fn(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D, torch.get_num_threads())
-    return y.view(*x.shape[:-1], N)
-
-
-def _linear_int8(x: torch.Tensor, w: Int8Weights, b: torch.Tensor | None) -> torch.Tensor:
-    if not (_rows_fit(x) and int8_usable()) or (b is not None and b.dtype != torch.float32):
-        return F.linear(x, w.float().to(x.dtype), b)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [S, D]
-    S, D = x2.shape
-    N = w.shape[0]
-    y = torch.empty(S, N, dtype=torch.float32)
-    b = b.contiguous() if b is not None else None
-    _fn_int8(x2.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), S, N, D,
-             torch.get_num_threads())
+    bias = b.data_ptr() if b is not None else None
+    if isinstance(w, Int8Weights):
+        fn(x2.data_ptr(), w.q.data_ptr(), w.scale.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
+    else:
+        fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
