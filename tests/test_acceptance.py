@@ -58,6 +58,13 @@ def test_sample_draws_each_row_from_its_distribution_and_never_a_zero():
         assert (worst > 1e-3) if exact else (worst < 1e-6)
 
 
+def test_sample_refuses_a_row_without_mass():
+    import pytest
+
+    with pytest.raises(ValueError, match="probability mass"):
+        sample(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), torch.Generator().manual_seed(0))
+
+
 def test_q_zero_never_gives_nan():
     p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
     q = torch.tensor([[1.0, 0.0, 0.0]])

@@ -58,6 +58,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     probability 0 is never drawn: u < the row's total, and the first cumulative sum above u is a step up."""
     cdf = probs.double().cumsum(-1)  # [N, V]
     total = cdf[:, -1:]  # [N, 1]
+    if not bool((total > 0).all()):
+        raise ValueError("cannot sample from a row without probability mass")
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=cdf.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)

@@ -2,22 +2,23 @@
 
 It does not draft itself: `for_round` hands the loop one of its candidates (plain decoding, prompt lookup, the
 draft head, the int8 copy of mode quant, a draft model: whichever can run), and the loop runs that round
-exactly as if the user had chosen that mode. The choice depends only on earlier rounds, never on this round's draws, and every candidate is
-exact, so `auto` is exact too.
+exactly as if the user had chosen that mode. The choice depends only on earlier rounds, never on this round's
+draws, and every candidate is exact, so `auto` is exact too.
 
 What it measures: per mode and sampling setting (acceptance depends on the temperature), tokens per second of
 engine time (draft + verify) over its recent rounds, exponentially weighted, so a change of load reaches the
 estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
 accept/reject draw that happened. A round that drafted nothing is a plain step whatever the mode, and counts
-for `off`. The first round of a drafter with a cache of its own (the head, quant, a draft model) after another mode
-ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens of 64
-rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each round
-runs the best, except that a candidate not run for a while runs again (its wait doubles each time it loses,
-up to MAX_WAIT rounds, so a stale estimate never lasts long), and the incumbent is kept unless another is
-faster by more than HYSTERESIS (switching drafters costs a resync). Prompt lookup is special: it only drafts where the last tokens occurred
-before, so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
-match (how far back the tokens before it agree too: a copy in progress, or a chance bigram).
+for `off`. The first round of a drafter with a cache of its own (the head, quant, a draft model) after another
+mode ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens
+of 64 rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each
+round runs the best, except that a candidate not run for a while runs again (its wait doubles each time it
+loses, up to MAX_WAIT rounds, so a stale estimate never lasts long), and the incumbent is kept unless another
+is faster by more than HYSTERESIS (switching drafters costs a resync). Prompt lookup is special: it only
+drafts where the last tokens occurred before, so it is a candidate only in rounds where it has a match, and
+its rate is kept per length of that match (how far back the tokens before it agree too: a copy in progress,
+or a chance bigram).
 
 Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
 model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would

@@ -30,7 +30,8 @@ class ModelDrafter(Drafter):
     (quant, lowrank, layerskip): they differ only in `next_logits`.
 
     Mode draft runs the draft model on the lean runner where it can (the families the target's runner
-    supports; HF's forward otherwise), its matrices in bfloat16 on the CPU (Runner.streamed), and with `vocab=N` its LM head only over the N lowest token ids plus its
+    supports; HF's forward otherwise), its matrices in bfloat16 on the CPU (Runner.streamed), and with
+    `vocab=N` its LM head only over the N lowest token ids plus its
     end-of-sequence ids (FR-Spec's restriction, with BPE merge order standing in for frequency: byte-level BPE
     gives its most frequent merges the lowest ids). A draft's LM head is a large part of a small model (a
     0.5B Qwen2.5's 152k rows are ~27% of its weights). q is the softmax over those ids, zero elsewhere: exactly
