@@ -75,6 +75,9 @@ def test_bfloat16_draft_weights_stream_at_half_the_bytes_and_multiply_in_float32
         odd, xo = torch.randn(100, 37, generator=g), torch.randn(1, 3, 37, generator=g)
         torch.testing.assert_close(smallbatch.linear(xo, smallbatch.draft_weights(odd)), F.linear(xo, odd.bfloat16().float()),
                                    rtol=1e-5, atol=1e-5)
+        strided = w16[:, ::2]  # not the kernel's layout: F.linear on its widening
+        x = torch.randn(1, 3, 288, generator=g)
+        assert torch.equal(smallbatch.linear(x, strided), F.linear(x, strided.float()))
 
 
 @needs_compiler

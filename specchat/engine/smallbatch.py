@@ -161,7 +161,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | N
 def _draft_linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | None) -> torch.Tensor:
     fn = _fn_int8 if isinstance(w, Int8Weights) else _fn_bf16
     x2 = x.reshape(-1, x.shape[-1])  # [S, D]
-    if fn is None or not _rows_fit(x2[:1]) or (b is not None and b.dtype != torch.float32):
+    strided = not isinstance(w, Int8Weights) and not w.is_contiguous()  # (Int8Weights.of makes contiguous copies)
+    if fn is None or strided or not _rows_fit(x2[:1]) or (b is not None and b.dtype != torch.float32):
         return F.linear(x, w.float(), b)
     y = torch.cat([_kernel(fn, rows, w, b) for rows in x2.split(MAX_ROWS)])  # [S, N]
     return y.view(*x.shape[:-1], y.shape[-1])
