@@ -75,9 +75,10 @@ def session_data(session) -> dict:
     config = {
         "target": session.target.name,
         "draft": session.draft.name if session.draft is not None else None,
+        "engine": getattr(session, "engine_label", "torch"),  # what runs the models: "torch" or "llama.cpp"
         "device": session.device_label,
         "dtype": session.dtype_label,
-        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
+        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py), "hf" or "llama.cpp"
         "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
         "hardware": hardware_info(session.device_label, session.dtype_label),
         "mode": snapshot.mode,

@@ -30,15 +30,30 @@ class LoadedModel:
     name: str  # what the user asked for, or the default's name
 
     @property
+    def engine(self) -> str:
+        """"torch" or "llama.cpp" (a GGUF file run by llama.cpp: engine/llamacpp.py)."""
+        return getattr(self.model, "engine", "torch")
+
+    @property
+    def dtype_name(self) -> str:
+        """What the weights are multiplied as: a torch dtype (float32) or a GGUF file's quantisation (Q4_1)."""
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
     def context_len(self) -> int | None:
+        if self.engine == "llama.cpp":
+            return self.model.context_len
         return getattr(self.model.config, "max_position_embeddings", None)
 
     @property
     def eos_ids(self) -> set[int]:
-        """Every id that ends a reply: the generation config's (one or a list) and the tokenizer's."""
-        config = self.model.generation_config
-        eos = config.eos_token_id if config is not None else None
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        """Every id that ends a reply: the generation config's (one or a list) or the GGUF file's, and the tokenizer's."""
+        if self.engine == "llama.cpp":
+            ids = set(self.model.eos_ids)
+        else:
+            config = self.model.generation_config
+            eos = config.eos_token_id if config is not None else None
+            ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
@@ -99,11 +114,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def convert_gguf(path: Path) -> Path:
-    """Dequantise a GGUF once (~14 s) into safetensors + tokenizer under the user cache; later loads take seconds."""
+def _cache_name(path: Path) -> str:
+    """The file's name in the user cache: its stem and a key of its path, size and modification time."""
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = models_dir() / f"{path.stem}-{key}"
+    return f"{path.stem}-{key}"
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise a GGUF once (~14 s) into safetensors + tokenizer under the user cache; later loads take seconds."""
+    out = models_dir() / _cache_name(path)
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,6 +139,89 @@ def convert_gguf(path: Path) -> Path:
     with atomic_path(out) as tmp:  # a crash mid-conversion never leaves a half-written model behind
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+    return out
+
+
+# ---------------------------------------------------------------- the llama.cpp engine
+
+ENGINES = ("auto", "torch", "llama.cpp")
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36"
+
+
+def is_gguf(spec: str | None) -> bool:
+    """Whether --target/--draft names a GGUF file (no --target: the default model is one)."""
+    return spec is None or Path(spec).expanduser().suffix == ".gguf"
+
+
+def pick_engine(name: str, spec: str | None, device: torch.device) -> str:
+    """auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed, else torch."""
+    if name not in ENGINES:
+        raise ModelError(f"unknown engine {name!r}; choose {', '.join(ENGINES)}")
+    if name == "torch":
+        return "torch"
+    from specchat.engine import llamacpp
+
+    usable = is_gguf(spec) and device.type == "cpu" and llamacpp.available()
+    if name == "llama.cpp" and not usable:
+        if not is_gguf(spec):
+            raise ModelError(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)")
+        if device.type != "cpu":
+            raise ModelError(f"--engine llama.cpp runs on the CPU; the device is {device} (use --engine torch)")
+        raise ModelError(f"--engine llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}")
+    return "llama.cpp" if usable else "torch"
+
+
+def gguf_tokenizer(path: Path):
+    """The GGUF file's tokenizer as a transformers tokenizer (chat template included), converted once into the
+    user cache (the conversion of a 49k-token vocabulary takes seconds; loading the saved one, a fraction)."""
+    from transformers import AutoTokenizer
+
+    converted = models_dir() / _cache_name(path)
+    if (converted / "tokenizer_config.json").is_file():  # a torch-engine conversion of the same file has it
+        return AutoTokenizer.from_pretrained(converted)
+    out = models_dir() / f"{_cache_name(path)}-tokenizer"
+    if (out / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # gguf raises many kinds of errors for a file that is not a model
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        raise ModelError(f"{path} is not a GGUF model transformers can read ({type(e).__name__}: {_first_line(e)})") from e
+    with atomic_path(out) as tmp:
+        tokenizer.save_pretrained(tmp)
+    return tokenizer
+
+
+def load_gguf(spec: str | None) -> LoadedModel:
+    """A GGUF file (no spec: the default model's) on llama.cpp, with its tokenizer."""
+    from specchat.engine.llamacpp import GGUFModel
+
+    path = default_gguf() if spec is None else Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelError(f"GGUF file not found: {path}")
+    tokenizer = gguf_tokenizer(path)
+    try:
+        model = GGUFModel(path)
+    except ValueError as e:
+        raise ModelError(f"{e} (is it a GGUF model file?)") from e
+    return LoadedModel(model, tokenizer, DEFAULT_MODEL_NAME if spec is None else spec)
+
+
+# a GGUF target's own draft for mode quant: the file requantised to a type that reads fewer bytes per weight
+QUANT_DRAFT = {"F32": "Q4_0", "F16": "Q4_0", "BF16": "Q4_0", "Q8_0": "Q4_0", "Q6_K": "Q3_K_M", "Q5_K_M": "Q3_K_M"}
+QUANT_DRAFT_DEFAULT = "Q2_K"  # a target at 4 bits or fewer
+
+
+def quantized_gguf(path: Path, file_type: str) -> Path:
+    """`path` requantised to `file_type`, made once with llama.cpp's quantizer into the user cache."""
+    from specchat.engine.llamacpp import quantize
+
+    out = models_dir() / f"{_cache_name(path)}.{file_type}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            quantize(path, tmp, file_type)
     return out
 
 
@@ -179,8 +282,12 @@ def load_model(
     device_map: str | None = None,
     trust_remote_code: bool = False,
     download: bool = False,
+    engine: str = "torch",
 ) -> LoadedModel:
-    """A hub id is read from the local Hugging Face cache only (no network) unless `download` is true."""
+    """A hub id is read from the local Hugging Face cache only (no network) unless `download` is true.
+    `engine` "llama.cpp" runs a .gguf file on llama.cpp (pick_engine chooses); "torch" loads it dequantised."""
+    if engine == "llama.cpp":
+        return load_gguf(spec)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -15,11 +15,13 @@ from typing import Iterator
 import torch
 
 from specchat import store, threads
-from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate
+from specchat import models
+from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate, target_state
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
+from specchat.engine.drafters.model import on_llama_cpp
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
 from specchat.modes import TUNABLE
@@ -95,6 +97,11 @@ def drafter_options(model, mode: str, options: dict) -> dict:
         for candidate in AUTO_CANDIDATES:
             out.update(drafter_options(model, candidate, options))
         return out
+    if on_llama_cpp(model):  # a GGUF target on llama.cpp: quant drafts with a smaller quantisation of its file
+        if mode == "quant" and out.get("quant_gguf") is None:
+            draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
+            out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
+        return out
     if mode == "lowrank":
         out.setdefault("factor_store", store.TensorStore(store.cache_dir() / "lowrank"))
     if mode == "head" and out.get("head_file") is None:
@@ -119,7 +126,7 @@ class Session:
     ) -> None:
         self.target, self.draft = target, draft
         self.mode_options = mode_options or {}
-        self.state = TargetState(target.model)
+        self.state = target_state(target.model)
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.generator = torch.Generator(device=self.state.device).manual_seed(self.seed)
         self.max_new_tokens = max_new_tokens
@@ -132,7 +139,8 @@ class Session:
         # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
         self.lock = threading.RLock()
         self.eos_ids = target.eos_ids
-        self.device_label, self.dtype_label = str(self.state.device), str(target.model.dtype).removeprefix("torch.")
+        self.device_label, self.dtype_label = str(self.state.device), target.dtype_name
+        self.engine_label = target.engine  # "torch" or "llama.cpp"
 
     _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
 
@@ -161,7 +169,7 @@ class Session:
         drafter = build_drafter(mode, self.target.model, draft_model, **drafter_options(self.target.model, mode, self.mode_options))
         controls = dataclasses.replace(self.controls, drafter=drafter, adaptive=copy.deepcopy(self.controls.adaptive),
                                        baseline=None, baseline_every=0, rounds_since_baseline=0)
-        return TargetState(self.target.model, self.state.runner), controls
+        return target_state(self.target.model, self.state.runner), controls
 
     def configure_mode(self, mode: str, **settings) -> None:
         """Change a mode's settings (e.g. the skip set `tune` found): its drafter is rebuilt when next used."""

@@ -212,7 +212,7 @@ def parallel_engines(session) -> int:
     second of one engine on two threads (earlyexit, SmolLM2-135M, OpenMP's passive wait): a round is a chain
     of small operations, and every one of them makes two threads meet. On CUDA, and on the HF forward (whose
     modules may keep state between calls), one."""
-    if session.state.device.type != "cpu" or session.state.runner != "lean" or not hasattr(session, "engine"):
+    if session.state.device.type != "cpu" or session.state.runner not in ("lean", "llama.cpp") or not hasattr(session, "engine"):
         return 1
     return max(1, torch.get_num_threads())
 
@@ -324,10 +324,16 @@ class TargetConditionals:
         from specchat.engine.cache import forward_logits, new_cache
 
         self.model, self.prompt, self.params = model, list(prompt), params
+        self.forwards = 0
+        self.context = None  # llama.cpp: one context, the prompt prefilled once, each sequence fed after it
+        if getattr(model, "engine", "torch") == "llama.cpp":
+            self.context = model.context()
+            if len(prompt) > 1:
+                self.context.decode(self.prompt[:-1], 0, keep=1)
+            return
         self.cache = new_cache(model)  # prompt[:-1]; its last token is fed with every sequence
         if len(prompt) > 1:
             forward_logits(model, self.cache, self.prompt[:-1], keep=1)
-        self.forwards = 0
 
     def many(self, sequences: list[tuple[int, ...]]):
         """Yield (seq, [len(seq), V]) for every non-empty sequence: row j is p(. | prompt + seq[:j])."""
@@ -338,6 +344,12 @@ class TargetConditionals:
 
         sequences = [s for s in sequences if s]
         last = self.prompt[-1]
+        if self.context is not None:  # one sequence per decode (a llama.cpp batch of one sequence)
+            for seq in sequences:
+                logits = self.context.decode([last, *seq[:-1]], len(self.prompt) - 1, keep=len(seq))  # [len(seq), V]
+                self.forwards += 1
+                yield seq, logits_to_probs(logits, self.params)
+            return
         for i in range(0, len(sequences), self.BATCH):
             chunk = sequences[i : i + self.BATCH]
             width = max(len(s) for s in chunk)

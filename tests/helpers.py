@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, TokenEvent, generate
+from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, TokenEvent, generate, target_state
 from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter, ModeUnavailable
@@ -119,7 +119,7 @@ ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the 
 
 
 def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None):
-    state = state or TargetState(target)
+    state = state or target_state(target)
     controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
     generator = torch.Generator().manual_seed(seed)
     records = list(generate(state, prompt, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=generator))
@@ -160,7 +160,7 @@ def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0
     of draft position K needs `generated` >= K+1 (then the first round drafts all K)."""
     controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}), adaptive=adaptive)
     generator = torch.Generator().manual_seed(seed)
-    drawn = sample_continuations(TargetState(target), PROMPT, controls, draws=draws, length=max(length, generated or 0),
+    drawn = sample_continuations(target_state(target), PROMPT, controls, draws=draws, length=max(length, generated or 0),
                                  eos_ids=set(), generator=generator, stats=stats)
     counts = Counter()
     for seq, count in drawn.items():
@@ -504,3 +504,56 @@ def assert_verdict(fit, stats, k: int, bug: str | None, record_property=None) ->
         assert fit.p_value < 1e-6, fit
         if bug.startswith("q at the wrong temperature"):  # the bug is where it is: drafts 1 and 2 are right
             assert fit.worst_position == 3 and min(fit.per_position[:2]) > ALPHA, fit
+
+
+# ---------------------------------------------------------------- tiny GGUF models (the llama.cpp engine)
+
+
+def _hf_rope_to_gguf(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF stores Llama's q/k rows for rotate-half RoPE; GGUF's llama architecture wants them interleaved
+    (llama.cpp's convert_hf_to_gguf.py permutes them the same way)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: Path, *, eos_id: int | None = None) -> Path:
+    """Write a transformers Llama (tiny_llama) as a float32 GGUF file llama.cpp loads, with a vocabulary of one
+    placeholder string per id (the tests feed ids, never text). llama.cpp's logits for it match the torch model's."""
+    import gguf
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta)
+    writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    writer.add_token_merges(["t1 t2"])  # llama.cpp requires the key; the tests never tokenise text
+    if eos_id is not None:
+        writer.add_eos_token_id(eos_id)
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = _hf_rope_to_gguf(torch.from_numpy(sd[p + "self_attn.q_proj.weight"]), c.num_attention_heads).numpy()
+        k = _hf_rope_to_gguf(torch.from_numpy(sd[p + "self_attn.k_proj.weight"]), c.num_key_value_heads).numpy()
+        for name, w in (("attn_norm", sd[p + "input_layernorm.weight"]), ("attn_q", q), ("attn_k", k),
+                        ("attn_v", sd[p + "self_attn.v_proj.weight"]), ("attn_output", sd[p + "self_attn.o_proj.weight"]),
+                        ("ffn_norm", sd[p + "post_attention_layernorm.weight"]), ("ffn_gate", sd[p + "mlp.gate_proj.weight"]),
+                        ("ffn_up", sd[p + "mlp.up_proj.weight"]), ("ffn_down", sd[p + "mlp.down_proj.weight"])):
+            writer.add_tensor(f"blk.{i}.{name}.weight", w)
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -196,6 +196,9 @@ def bench(**opts):
     from specchat.bench import report, runner
 
     console = Console(stderr=True)
+    if opts.get("engine") == "llama.cpp":  # its quality checks score the target's outputs with torch
+        raise UserError("bench runs on the torch engine; benchmarks/engines.py measures the llama.cpp engine's modes")
+    opts["engine"] = "torch"
     with user_errors():
         target, draft, device, dtype = load_models(opts, console)
         drafters, drafter_mb = build_drafters(plan, target, draft, device)

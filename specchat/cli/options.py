@@ -83,11 +83,16 @@ def apply(options: list, f):
 
 
 def _model_options(f, *, draft: bool):
+    """--engine comes with --draft: the commands that load only the target (tune, train-head) need torch's view of
+    the target's layers, and run on torch."""
     return apply([
         click.option("--target", metavar="MODEL", help="HF model id (local cache), directory, or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
         *([click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer).")] if draft else []),
         click.option("--download", is_flag=True, help="Let a Hugging Face id missing from the local cache be downloaded (default: the local cache only, no network)."),
         click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
+        *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp"]), default="auto", show_default=True,
+                        help="What runs the models: llama.cpp (GGUF files on the CPU) or torch. auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed.")]
+          if draft else []),
         click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
@@ -172,12 +177,16 @@ def load_models(opts: dict, console):
     # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
     threads.set_threads(opts.get("threads"))
-    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype
+    from specchat.models import check_same_tokenizer, is_gguf, load_model, pick_device, pick_dtype, pick_engine
 
     device = pick_device(opts["device"])
     dtype = pick_dtype(opts["dtype"], device)
-    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
-    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {device} ({dtype})..."):
+    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device)
+    if engine == "llama.cpp" and opts.get("draft") and not is_gguf(opts["draft"]):
+        raise UserError(f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {opts['draft']} (or pass --engine torch)")
+    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
+    where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
+    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}..."):
         target = load_model(opts["target"], device, dtype, **kwargs)
     draft = None
     if opts.get("draft"):
@@ -223,7 +232,9 @@ def load_session(opts: dict, *, quiet: bool = False):
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7 (measured: benchmarks/RESULTS.md)
         session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
-    session.device_label, session.dtype_label = str(device), str(dtype).removeprefix("torch.")
+    session.device_label = str(device)
+    if session.engine_label == "torch":
+        session.dtype_label = str(dtype).removeprefix("torch.")
     return session
 
 
@@ -241,6 +252,7 @@ def config_summary(session) -> dict:
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
         "seed": session.seed,
+        "engine": session.engine_label,
         "device": session.device_label,
         "dtype": session.dtype_label,
         "threads": torch.get_num_threads(),

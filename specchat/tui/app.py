@@ -100,7 +100,7 @@ class SpecChatApp(App):
         self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
         self._setup_themes(theme, theme_dirs)
         draft = f" + {session.draft.name}" if session.draft is not None else ""
-        kernel = "fused kernel" if getattr(session.state, "kernel", "torch") == "fused" else None
+        kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
         where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
         self.sub_title = f"{session.target.name}{draft}" + (f" · {where}" if where else "")
 

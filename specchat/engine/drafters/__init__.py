@@ -8,7 +8,7 @@ from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.layerskip import LayerSkipDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.lowrank import LowRankDrafter
-from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.drafters.model import ModelDrafter, on_llama_cpp
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
 
@@ -26,6 +26,16 @@ DRAFTERS: dict[str, type[Drafter]] = {
 }
 
 
+# the modes a GGUF target on llama.cpp can run; the others need torch's view of the target's layers
+LLAMA_CPP_MODES = ("off", "lookup", "draft", "quant", "auto")
+TORCH_ONLY = {
+    "layerskip": "runs a subset of the target's layers, which llama.cpp does not expose",
+    "earlyexit": "runs the target's first layers alone, which llama.cpp does not expose",
+    "lowrank": "factors the target's matrices in torch, which llama.cpp's quantised weights are not",
+    "head": "drafts from the target's last-layer features before the final norm; llama.cpp hands out only the normed output",
+}
+
+
 def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     """The drafter for `mode`. `target`/`draft` are transformers models (draft may be None).
 
@@ -35,9 +45,11 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     """
     if mode not in DRAFTERS:
         raise ModeUnavailable(f"unknown mode {mode!r}; choose one of {', '.join(DRAFTERS)}")
+    if on_llama_cpp(target) and mode in TORCH_ONLY:
+        raise ModeUnavailable(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
     if mode == "auto":  # built from the other modes' drafters
         options["build_candidate"] = build_drafter
     return DRAFTERS[mode].build(target, draft, **options)
 
 
-__all__ = ["DRAFTERS", "Drafter", "ModeUnavailable", "Proposal", "build_drafter"]
+__all__ = ["DRAFTERS", "LLAMA_CPP_MODES", "TORCH_ONLY", "Drafter", "ModeUnavailable", "Proposal", "build_drafter"]

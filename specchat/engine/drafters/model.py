@@ -43,6 +43,14 @@ class ModelDrafter(Drafter):
     def build(cls, target, draft=None, *, draft_vocab: int | None = None, **options) -> "ModelDrafter":
         if draft is None:
             raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
+        if on_llama_cpp(target) or on_llama_cpp(draft):
+            if not (on_llama_cpp(target) and on_llama_cpp(draft)):
+                raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
+            if draft_vocab is not None:
+                raise ModeUnavailable("--draft-vocab needs the torch engine's lean runner (--engine torch)")
+            from specchat.engine.drafters.gguf import GGUFDrafter
+
+            return GGUFDrafter(draft, name="draft")
         lean = lean_runner(draft)
         if lean is not None:
             lean = lean.streamed()  # its matrices in bfloat16 on the CPU: a draft step reads half the bytes
@@ -74,6 +82,10 @@ class ModelDrafter(Drafter):
         self.cache = self.lean.new_cache() if self.lean is not None else new_cache(self.model)
         self.cached: list[int] = []  # tokens whose KV the draft cache holds
 
+    def crop(self, length: int) -> None:
+        """Keep the draft cache's first `length` positions."""
+        crop_to(self.cache, length)
+
     def next_logits(self, feed: list[int], vocab_size: int) -> torch.Tensor:
         """Feed `feed` after the cached tokens; the draft's logits for the next token, [V_target]."""
         feed = [t if t < self.embed_size else self.stand_in for t in feed]
@@ -90,7 +102,7 @@ class ModelDrafter(Drafter):
     def propose(self, state, k, params, generator) -> Proposal:
         # re-sync: keep the common prefix, feed the rest (after a full accept that includes the K-th draft)
         keep = min(common_prefix(self.cached, state.tokens), len(state.tokens) - 1)
-        crop_to(self.cache, keep)
+        self.crop(keep)
         self.cached = self.cached[:keep]
         feed = state.tokens[keep:]
         ids, qs, calls = [], [], 0
@@ -109,6 +121,11 @@ class ModelDrafter(Drafter):
         if not ids:
             return Proposal(torch.empty(0, dtype=torch.long, device=state.device), None, calls)
         return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls)  # [K'], [K', V]
+
+
+def on_llama_cpp(model) -> bool:
+    """Whether `model` is a GGUF file loaded by llama.cpp (engine/llamacpp.py) rather than a torch module."""
+    return getattr(model, "engine", "torch") == "llama.cpp"
 
 
 def _as_list(x) -> list:

@@ -1,0 +1,167 @@
+"""The engines side by side on one GGUF file: llama.cpp's own plain decoding, specchat on the llama.cpp engine (off,
+auto, draft), specchat on the torch engine (off), and optionally llama.cpp's `llama-bench` and `llama-speculative`.
+One process, every configuration interleaved per prompt and repetition, greedy unless --temperature says otherwise.
+
+    python benchmarks/engines.py [--target FILE.gguf] [--draft FILE.gguf] [--prompts benchmarks/heldout-prompts.jsonl]
+        [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch]
+        [--llama-bench PATH] [--llama-speculative PATH]
+
+"llama.cpp plain" is the floor any engine on llama.cpp has: a Python loop that feeds one token per llama_decode
+and takes the argmax of its logits (what llama-bench's tg does, plus the argmax and the ctypes call). Every
+figure is decode tokens per second (the prefill left out), median over prompts and repetitions; ratios are
+per-prompt paired ratios against llama.cpp plain of the same prompt and repetition, then the median. The load
+average is printed before and after: on the 2-core machine a busy neighbour halves everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specchat import threads  # noqa: E402
+
+threads.prepare_process()  # OpenMP waits as specchat's own commands wait
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from specchat.engine import SamplingParams  # noqa: E402
+from specchat.models import default_gguf, load_model  # noqa: E402
+from specchat.session import Session  # noqa: E402
+
+
+def llama_cpp_plain(model, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    """llama.cpp's own greedy decoding: one token per llama_decode, argmax in numpy. (ids, decode seconds)."""
+    ctx = model.context(len(prompt) + tokens + 8)
+    logits = ctx.decode(prompt, 0, keep=1)[-1].numpy()
+    out = [int(np.argmax(logits))]
+    t0 = time.perf_counter()
+    while len(out) < tokens:
+        logits = ctx.decode([out[-1]], len(prompt) + len(out) - 1, keep=1)[-1].numpy()
+        out.append(int(np.argmax(logits)))
+    return out, time.perf_counter() - t0
+
+
+def specchat_run(session: Session, prompt: list[int], tokens: int) -> tuple[list[int], float, dict]:
+    """One generation through the session (the chat's path): (ids, decode tokens per second, rounds by mode).
+    Round 0's first token came with the prefill: the rate counts the tokens of the rounds after it, over their time."""
+    session.max_new_tokens = tokens
+    records = list(session.complete(prompt))
+    ids = [t.id for r in records for t in r.tokens]
+    made = sum(len(r.tokens) for r in records[1:])
+    modes: dict[str, int] = {}
+    for r in records[1:]:
+        modes[r.mode] = modes.get(r.mode, 0) + 1
+    return ids, made / sum(r.wall_s for r in records[1:]), modes
+
+
+def tool_tok_s(cmd: list[str]) -> float | None:
+    """Tokens per second a llama.cpp tool reports (llama-bench -o json; llama-speculative's 'decoded ... speed')."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if "llama-bench" in cmd[0]:
+        rows = json.loads(out.stdout)
+        return float(rows[-1]["avg_ts"])
+    for line in (out.stdout + out.stderr).splitlines():
+        if "decoded" in line and "speed:" in line:
+            return float(line.split("speed:")[1].split()[0])
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--prompts", default="benchmarks/heldout-prompts.jsonl")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperature", default="0")
+    ap.add_argument("--modes", default="off,auto")
+    ap.add_argument("--no-torch", action="store_true", help="leave out specchat on the torch engine")
+    ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    ap.add_argument("--llama-speculative", default=None, help="path of llama.cpp's llama-speculative binary (needs --draft)")
+    args = ap.parse_args()
+    n_threads = threads.set_threads(args.threads)
+    path = Path(args.target) if args.target else default_gguf()
+    print(f"load average before: {os.getloadavg()}; threads {n_threads}; target {path.name}"
+          + (f"; draft {Path(args.draft).name}" if args.draft else ""), flush=True)
+
+    cpu = torch.device("cpu")
+    target = load_model(args.target, cpu, torch.float32, engine="llama.cpp")
+    draft = load_model(args.draft, cpu, torch.float32, engine="llama.cpp") if args.draft else None
+    prompts = [json.loads(line) for line in open(args.prompts) if line.strip()]
+    ids = {p["name"]: target.chat_ids([{"role": "user", "content": p["prompt"]}]) for p in prompts}
+
+    temperatures = [float(t) for t in args.temperature.split(",")]
+    sessions: dict[str, Session] = {}
+    for t in temperatures:
+        params = SamplingParams(t, 0, 0.9 if t > 0 else 1.0)
+        for mode in args.modes.split(","):
+            if mode == "draft" and draft is None:
+                continue
+            sessions[f"llama.cpp {mode} T={t:g}"] = Session(target, draft, mode=mode, k=args.k, sampling=params, seed=0)
+        if not args.no_torch and t == 0:
+            torch_target = load_model(args.target, cpu, torch.float32)
+            sessions["torch off T=0"] = Session(torch_target, None, mode="off", sampling=params, seed=0)
+    names = ["llama.cpp plain", *sessions]
+    if args.llama_bench:
+        names.append("llama-bench tg")
+    if args.llama_speculative and args.draft:
+        names.append("llama-speculative")
+
+    tok_s: dict[str, list[float]] = {n: [] for n in names}
+    ratio: dict[str, list[float]] = {n: [] for n in names}
+    used: dict[str, dict] = {n: {} for n in sessions}
+    same: dict[str, list[bool]] = {n: [] for n in sessions}
+    for rep in range(args.reps):
+        for p in prompts:
+            prompt = ids[p["name"]]
+            plain_ids, plain_s = llama_cpp_plain(target.model, prompt, args.tokens)
+            base = (args.tokens - 1) / plain_s
+            tok_s["llama.cpp plain"].append(base)
+            ratio["llama.cpp plain"].append(1.0)
+            order = list(sessions)
+            if rep % 2:
+                order.reverse()  # neither side always runs first
+            for name in order:
+                out, rate, modes = specchat_run(sessions[name], prompt, args.tokens)
+                tok_s[name].append(rate)
+                ratio[name].append(rate / base)
+                for m, n in modes.items():
+                    used[name][m] = used[name].get(m, 0) + n
+                if name.endswith("T=0"):
+                    same[name].append(out == plain_ids[: len(out)])
+            if args.llama_bench:
+                rate = tool_tok_s([args.llama_bench, "-m", str(path), "-t", str(n_threads), "-p", "0", "-n", str(args.tokens),
+                                   "-r", "1", "-o", "json"])
+                tok_s["llama-bench tg"].append(rate)
+                ratio["llama-bench tg"].append(rate / base)
+            if args.llama_speculative and args.draft:
+                rate = tool_tok_s([args.llama_speculative, "-m", str(path), "-md", args.draft, "-t", str(n_threads),
+                                   "-p", p["prompt"], "-n", str(args.tokens), "--temp", "0", "--draft-max", str(args.k)])
+                if rate is not None:
+                    tok_s["llama-speculative"].append(rate)
+                    ratio["llama-speculative"].append(rate / base)
+            print(f"rep {rep + 1} {p['name']}: " + ", ".join(f"{n} {tok_s[n][-1]:.1f}" for n in names if tok_s[n]), flush=True)
+
+    print(f"\nload average after: {os.getloadavg()}")
+    print(f"{'configuration':32} {'tok/s (median)':>15} {'x llama.cpp plain (median, range)':>36}  greedy = plain   rounds by mode")
+    for n in names:
+        if not tok_s[n]:
+            continue
+        r = ratio[n]
+        identical = f"{sum(same[n])}/{len(same[n])}" if same.get(n) else ""
+        print(f"{n:32} {statistics.median(tok_s[n]):15.1f} {statistics.median(r):14.2f}x ({min(r):.2f}-{max(r):.2f})"
+              f"       {identical:>8}   {used.get(n, '')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

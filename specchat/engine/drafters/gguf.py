@@ -1,0 +1,33 @@
+"""A draft that runs on llama.cpp: a second GGUF file (mode draft) or a smaller quantisation of the target's own
+file (mode quant), on a llama.cpp context of its own.
+
+This is what llama.cpp's `llama-speculative` does, except that the loop's exact rule judges the drafts (at any
+temperature, with q exactly what each draft was sampled from) instead of greedy matching.
+"""
+
+from __future__ import annotations
+
+from specchat.engine.drafters.model import ModelDrafter, align_vocab
+from specchat.engine.llamacpp import GGUFModel
+
+
+class GGUFDrafter(ModelDrafter):
+    """ModelDrafter's proposal loop over a llama.cpp Context: its own KV cache, re-synced to `state.tokens`."""
+
+    def __init__(self, model: GGUFModel, name: str = "draft") -> None:
+        self.model, self.name = model, name
+        self.lean, self.vocab_ids = None, None
+        self.embed_size = model.vocab_size
+        self.stand_in = min(model.eos_ids) if model.eos_ids else 0  # fed for a target id beyond the draft's table
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.model.context()
+        self.cached: list[int] = []
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    def next_logits(self, feed: list[int], vocab_size: int):
+        feed = [t if t < self.embed_size else self.stand_in for t in feed]
+        return align_vocab(self.cache.decode(feed, len(self.cached), keep=1)[-1], vocab_size)  # [V_target]
