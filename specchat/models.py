@@ -153,18 +153,22 @@ def is_gguf(spec: str | None) -> bool:
     return spec is None or Path(spec).expanduser().suffix == ".gguf"
 
 
-def pick_engine(name: str, spec: str | None, device: torch.device) -> str:
-    """auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed, else torch."""
+def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | None = None) -> str:
+    """auto: llama.cpp for a .gguf target (and a .gguf draft, if any) on the CPU when llama-cpp-python is
+    installed, else torch."""
     if name not in ENGINES:
         raise ModelError(f"unknown engine {name!r}; choose {', '.join(ENGINES)}")
     if name == "torch":
         return "torch"
     from specchat.engine import llamacpp
 
-    usable = is_gguf(spec) and device.type == "cpu" and llamacpp.available()
+    files = is_gguf(spec) and (draft is None or is_gguf(draft))
+    usable = files and device.type == "cpu" and llamacpp.available()
     if name == "llama.cpp" and not usable:
         if not is_gguf(spec):
             raise ModelError(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)")
+        if not files:
+            raise ModelError(f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {draft} (or use --engine torch)")
         if device.type != "cpu":
             raise ModelError(f"--engine llama.cpp runs on the CPU; the device is {device} (use --engine torch)")
         raise ModelError(f"--engine llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}")

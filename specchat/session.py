@@ -21,7 +21,7 @@ from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
-from specchat.engine.drafters.model import on_llama_cpp
+from specchat.engine.llamacpp import on_llama_cpp
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
 from specchat.modes import TUNABLE
@@ -141,6 +141,7 @@ class Session:
         self.eos_ids = target.eos_ids
         self.device_label, self.dtype_label = str(self.state.device), target.dtype_name
         self.engine_label = target.engine  # "torch" or "llama.cpp"
+        self.notices: list[str] = []  # said once to the user at start (the chat shows them as warnings)
 
     _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
 

@@ -177,13 +177,11 @@ def load_models(opts: dict, console):
     # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
     threads.set_threads(opts.get("threads"))
-    from specchat.models import check_same_tokenizer, is_gguf, load_model, pick_device, pick_dtype, pick_engine
+    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype, pick_engine
 
     device = pick_device(opts["device"])
     dtype = pick_dtype(opts["dtype"], device)
-    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device)
-    if engine == "llama.cpp" and opts.get("draft") and not is_gguf(opts["draft"]):
-        raise UserError(f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {opts['draft']} (or pass --engine torch)")
+    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
     with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}..."):
@@ -203,6 +201,7 @@ def load_session(opts: dict, *, quiet: bool = False):
     from specchat.engine.acceptance import parse_rule
     from specchat.engine.loop import AdaptiveK
     from specchat.engine.sampling import SamplingParams
+    from specchat.models import LLAMA_CPP_INSTALL, is_gguf
     from specchat.session import Session
 
     mode = opts["mode"] or ("draft" if opts.get("draft") else "off")
@@ -232,6 +231,10 @@ def load_session(opts: dict, *, quiet: bool = False):
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7 (measured: benchmarks/RESULTS.md)
         session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
+    if session.engine_label == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
+            and (not opts.get("draft") or is_gguf(opts["draft"])):
+        session.notices.append(f"llama-cpp-python is not installed, so this GGUF runs dequantised on torch; on llama.cpp plain "
+                               f"decoding of the default model ran 2.6x faster on the reference machine: {LLAMA_CPP_INSTALL}")
     session.device_label = str(device)
     if session.engine_label == "torch":
         session.dtype_label = str(dtype).removeprefix("torch.")

@@ -30,6 +30,11 @@ N_BATCH = 512  # positions per llama_decode call (longer prompts go in chunks)
 MAX_CONTEXT = 32768  # a context window beyond this (Qwen2.5's 128k) would reserve a KV cache of many GB
 
 
+def on_llama_cpp(model) -> bool:
+    """Whether `model` is a GGUFModel (this engine's) rather than a torch module."""
+    return getattr(model, "engine", "torch") == "llama.cpp"
+
+
 class EngineUnavailable(Exception):
     """llama-cpp-python is not installed or cannot load; the message says so in one line."""
 
@@ -94,7 +99,7 @@ class GGUFModel:
         try:
             from gguf import LlamaFileType
 
-            return LlamaFileType(int(self.file_type)).name.removeprefix("MOSTLY_")
+            return LlamaFileType(int(self.file_type)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except (TypeError, ValueError, ImportError):
             return "gguf"
 
@@ -224,7 +229,7 @@ def quantize(source: Path, dest: Path, file_type: str) -> None:
     from gguf import LlamaFileType
 
     params = lib.llama_model_quantize_default_params()
-    params.ftype = int(LlamaFileType[f"MOSTLY_{file_type}"])
+    params.ftype = int(LlamaFileType["ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"])
     params.allow_requantize = True
     params.nthread = torch.get_num_threads()
     status = lib.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params))

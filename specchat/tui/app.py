@@ -95,7 +95,7 @@ class SpecChatApp(App):
         self._panel_timer = None
         self._reply_timer = None
         self.log_lines: list[tuple[str, str]] = []
-        self.startup_notices: list[str] = []
+        self.startup_notices: list[str] = list(getattr(session, "notices", []))  # what loading the models had to say
         self._log_handler: LogHandler | None = None
         self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
         self._setup_themes(theme, theme_dirs)

@@ -8,9 +8,11 @@ from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.layerskip import LayerSkipDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.lowrank import LowRankDrafter
-from specchat.engine.drafters.model import ModelDrafter, on_llama_cpp
+from specchat.engine.drafters.gguf import GGUFDrafter
+from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
+from specchat.engine.llamacpp import on_llama_cpp
 
 # mode -> drafter class; each has `build(target, draft, **options)`
 DRAFTERS: dict[str, type[Drafter]] = {
@@ -26,8 +28,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
 }
 
 
-# the modes a GGUF target on llama.cpp can run; the others need torch's view of the target's layers
-LLAMA_CPP_MODES = ("off", "lookup", "draft", "quant", "auto")
+# the modes a GGUF target on llama.cpp cannot run, and why (off, lookup, draft, quant and auto can)
 TORCH_ONLY = {
     "layerskip": "runs a subset of the target's layers, which llama.cpp does not expose",
     "earlyexit": "runs the target's first layers alone, which llama.cpp does not expose",
@@ -37,7 +38,8 @@ TORCH_ONLY = {
 
 
 def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
-    """The drafter for `mode`. `target`/`draft` are transformers models (draft may be None).
+    """The drafter for `mode`. `target`/`draft` are transformers models, or GGUFModels on the llama.cpp engine
+    (draft may be None).
 
     `options` carries mode settings (skip_layers, exit_layer, rank, factor_store, ...); each drafter's
     `build` takes the ones it understands and raises ModeUnavailable when it cannot run with these
@@ -47,9 +49,13 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
         raise ModeUnavailable(f"unknown mode {mode!r}; choose one of {', '.join(DRAFTERS)}")
     if on_llama_cpp(target) and mode in TORCH_ONLY:
         raise ModeUnavailable(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
+    if on_llama_cpp(target) and mode in ("draft", "quant"):  # a GGUF file on a llama.cpp context of its own
+        return GGUFDrafter.build(mode, target, draft, **options)
+    if mode == "draft" and draft is not None and on_llama_cpp(draft):
+        raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
     if mode == "auto":  # built from the other modes' drafters
         options["build_candidate"] = build_drafter
     return DRAFTERS[mode].build(target, draft, **options)
 
 
-__all__ = ["DRAFTERS", "LLAMA_CPP_MODES", "TORCH_ONLY", "Drafter", "ModeUnavailable", "Proposal", "build_drafter"]
+__all__ = ["DRAFTERS", "TORCH_ONLY", "Drafter", "ModeUnavailable", "Proposal", "build_drafter"]

@@ -7,12 +7,29 @@ temperature, with q exactly what each draft was sampled from) instead of greedy 
 
 from __future__ import annotations
 
+from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.model import ModelDrafter, align_vocab
-from specchat.engine.llamacpp import GGUFModel
+from specchat.engine.llamacpp import GGUFModel, on_llama_cpp
 
 
 class GGUFDrafter(ModelDrafter):
     """ModelDrafter's proposal loop over a llama.cpp Context: its own KV cache, re-synced to `state.tokens`."""
+
+    @classmethod
+    def build(cls, mode: str, target, draft=None, *, quant_gguf: str | None = None, draft_vocab: int | None = None,
+              **options) -> "GGUFDrafter":
+        """Mode draft with a GGUF draft model, or mode quant with `quant_gguf` (the requantised target the session made)."""
+        if mode == "quant":
+            if quant_gguf is None:
+                raise ModeUnavailable("mode 'quant' on llama.cpp needs a smaller quantisation of the target's file; none was made")
+            return cls(GGUFModel(quant_gguf), name="quant")
+        if draft is None:
+            raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
+        if not on_llama_cpp(draft):
+            raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
+        if draft_vocab is not None:
+            raise ModeUnavailable("--draft-vocab needs the torch engine's lean runner (--engine torch)")
+        return cls(draft, name="draft")
 
     def __init__(self, model: GGUFModel, name: str = "draft") -> None:
         self.model, self.name = model, name

@@ -43,14 +43,6 @@ class ModelDrafter(Drafter):
     def build(cls, target, draft=None, *, draft_vocab: int | None = None, **options) -> "ModelDrafter":
         if draft is None:
             raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
-        if on_llama_cpp(target) or on_llama_cpp(draft):
-            if not (on_llama_cpp(target) and on_llama_cpp(draft)):
-                raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
-            if draft_vocab is not None:
-                raise ModeUnavailable("--draft-vocab needs the torch engine's lean runner (--engine torch)")
-            from specchat.engine.drafters.gguf import GGUFDrafter
-
-            return GGUFDrafter(draft, name="draft")
         lean = lean_runner(draft)
         if lean is not None:
             lean = lean.streamed()  # its matrices in bfloat16 on the CPU: a draft step reads half the bytes
@@ -121,11 +113,6 @@ class ModelDrafter(Drafter):
         if not ids:
             return Proposal(torch.empty(0, dtype=torch.long, device=state.device), None, calls)
         return Proposal(torch.tensor(ids, device=state.device), torch.stack(qs), calls)  # [K'], [K', V]
-
-
-def on_llama_cpp(model) -> bool:
-    """Whether `model` is a GGUF file loaded by llama.cpp (engine/llamacpp.py) rather than a torch module."""
-    return getattr(model, "engine", "torch") == "llama.cpp"
 
 
 def _as_list(x) -> list:

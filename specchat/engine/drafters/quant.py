@@ -1,8 +1,7 @@
 """Mode `quant`: an int8 weight copy of the target drafts; the target's own weights verify.
 
 On the llama.cpp engine the copy is a smaller quantisation of the target's own GGUF file (made once with
-llama.cpp's quantizer into the user cache, models.quantized_gguf) on a llama.cpp context of its own
-(drafters/gguf.py).
+llama.cpp's quantizer into the user cache, models.quantized_gguf), drafting as drafters/gguf.py.
 
 On a CPU where the lean runner and its kernel run (backend "int8", the default there), the draft is the
 target's lean runner with every matrix as int8 and a float32 scale per output row (smallbatch.Int8Weights,
@@ -32,7 +31,6 @@ import torch
 
 from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
-from specchat.engine.drafters.model import on_llama_cpp
 from specchat.engine.runner import lean_runner, unsupported
 from specchat.engine.smallbatch import Int8Weights, int8_usable
 
@@ -101,14 +99,7 @@ class QuantDrafter(CopyDrafter):
     name = "quant"
 
     @classmethod
-    def build(cls, target, draft=None, *, quant_backend: str = "auto", quant_gguf: str | None = None, **options) -> "QuantDrafter":
-        if on_llama_cpp(target):  # llama.cpp: a smaller quantisation of the target's own file, made by the session
-            if quant_gguf is None:
-                raise ModeUnavailable("mode 'quant' on llama.cpp needs a smaller quantisation of the target's file; none was made")
-            from specchat.engine.drafters.gguf import GGUFDrafter
-            from specchat.engine.llamacpp import GGUFModel
-
-            return GGUFDrafter(GGUFModel(quant_gguf), name="quant")
+    def build(cls, target, draft=None, *, quant_backend: str = "auto", **options) -> "QuantDrafter":
         device = target.device
         backend = quant_backend
         if backend == "auto":
