@@ -88,6 +88,14 @@ def drafter_options(model, mode: str, options: dict) -> dict:
     """The options a mode's drafter is built with: the user's, else the setting `specchat tune` saved for
     this model; low-rank factors are kept in the user cache."""
     out = dict(options)
+    if on_llama_cpp(model):  # a GGUF target on llama.cpp: quant drafts with a smaller quantisation of its file
+        # auto tries quant only on a 16- or 32-bit file: a 4-bit copy of an 8-bit or 4-bit file cost 0.8 of its step
+        # (benchmarks/llamacpp_step.py), so with a verify of 5 positions at 2.3-3.9 steps it can only lose
+        wide = model.dtype in ("F32", "F16", "BF16")
+        if (mode == "quant" or (mode == "auto" and wide)) and out.get("quant_gguf") is None:
+            draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
+            out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
+        return out
     setting = TUNABLE.get(mode)
     if setting is not None and out.get(setting) is None:
         tuned = store.load_tuned(model, mode)
@@ -96,11 +104,6 @@ def drafter_options(model, mode: str, options: dict) -> dict:
     if mode == "auto":  # every candidate's options together (each drafter takes the ones it understands)
         for candidate in AUTO_CANDIDATES:
             out.update(drafter_options(model, candidate, options))
-        return out
-    if on_llama_cpp(model):  # a GGUF target on llama.cpp: quant drafts with a smaller quantisation of its file
-        if mode == "quant" and out.get("quant_gguf") is None:
-            draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
-            out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
         return out
     if mode == "lowrank":
         out.setdefault("factor_store", store.TensorStore(store.cache_dir() / "lowrank"))

@@ -1,9 +1,10 @@
 """Numerical edges of sampling and the exact rule: q(x) = 0, underflow, a vanishing residual, greedy ties."""
 
+import pytest
 import torch
 
 from specchat.engine.acceptance import EXACT, draw_next
-from specchat.engine.sampling import SamplingParams, logits_to_probs, sample
+from specchat.engine.sampling import SamplingParams, argmax, logits_to_probs, nucleus, sample
 from specchat.verify import chi2_sf
 
 
@@ -23,6 +24,31 @@ def test_top_k_and_top_p_shape_the_distribution():
     assert logits_to_probs(logits, SamplingParams(1.0, top_p=0.01)).tolist() == [1.0, 0, 0, 0, 0]  # the top token always stays
     hot = logits_to_probs(logits, SamplingParams(0.5))
     torch.testing.assert_close(hot, torch.softmax(logits / 0.5, -1))
+
+
+def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by sorting the whole vocabulary (specchat's implementation before the partial sort)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    sorted_probs = sorted_probs.masked_fill((sorted_probs.cumsum(-1) - sorted_probs) >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.9, 0.999])
+def test_the_partial_nucleus_equals_the_fully_sorted_one(top_p):
+    """Peaked rows (the top 64 hold the nucleus), middling and flat ones (the top 1024 or the whole vocabulary)."""
+    torch.manual_seed(0)
+    logits = torch.cat([torch.randn(2, 5000) * 6, torch.randn(2, 5000) * 1.5, torch.randn(2, 5000) * 0.05])
+    probs = torch.softmax(logits, -1)
+    got, ref = nucleus(probs, top_p), sorted_nucleus(probs, top_p)
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, atol=1e-7, rtol=1e-5)
+
+
+def test_argmax_takes_the_first_of_equal_maxima_like_torch():
+    x = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 5.0]])
+    assert argmax(x).tolist() == x.argmax(-1).tolist() == [1, 0]
+    assert int(argmax(x[0])) == 1 and argmax(x[:, 1:]).tolist() == [0, 1]  # views and single rows
 
 
 def draw_counts(draw, probs: torch.Tensor, n: int) -> torch.Tensor:

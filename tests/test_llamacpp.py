@@ -228,3 +228,46 @@ def test_auto_on_llama_cpp_chooses_among_the_modes_it_can_run(gguf_target, gguf_
     plain, _ = run(gguf_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=60)
     assert out == plain
     assert {r.mode for r in records} >= {"off", "draft"}
+
+
+# ---------------------------------------------------------------- a session on llama.cpp
+
+
+@pytest.fixture(scope="module")
+def gguf_loaded(tmp_path_factory):
+    """A tiny GGUF with the tests' word-level tokenizer, as models.load_model returns it for the llama.cpp engine."""
+    from helpers import tiny_tokenizer
+    from specchat.models import LoadedModel
+
+    tokenizer = tiny_tokenizer()
+    path = write_gguf(llama(3, vocab=len(tokenizer)), tmp_path_factory.mktemp("gguf") / "chat.gguf", eos_id=tokenizer.eos_token_id)
+    return LoadedModel(GGUFModel(path), tokenizer, "chat.gguf")
+
+
+def test_a_session_runs_auto_on_llama_cpp_and_says_which_engine(gguf_loaded):
+    from specchat.engine.drafters.auto import AutoDrafter
+    from specchat.export import session_data
+    from specchat.session import Session
+
+    session = Session(gguf_loaded, mode="auto", sampling=SamplingParams(0.7), seed=1, max_new_tokens=24)
+    assert isinstance(session.state, LlamaTargetState) and session.engine_label == "llama.cpp" and session.dtype_label == "F32"
+    auto = session.controls.drafter
+    assert isinstance(auto, AutoDrafter) and {"off", "lookup", "quant"} <= set(auto.candidates)  # quant: a Q4_0 copy of an F32 file
+    rounds = list(session.reply("hello world hello world"))
+    assert rounds and session.turns[-1].reply_ids == [t.id for r in rounds for t in r.tokens]
+    assert session.eos_ids == {gguf_loaded.tokenizer.eos_token_id}
+    with pytest.raises(ModeUnavailable, match="needs the torch engine"):
+        session.set_mode("layerskip")
+    assert session_data(session)["config"]["engine"] == "llama.cpp"
+
+
+def test_auto_leaves_quant_out_for_a_file_of_4_bits_or_fewer(tmp_path, gguf_target):
+    """Mode quant by hand still runs (a Q2_K copy); auto does not try it (README, Engines: it cannot pay)."""
+    from specchat.session import drafter_options
+
+    small = tmp_path / "q4.gguf"
+    quantize(gguf_target.path, small, "Q4_0")
+    q4 = GGUFModel(small)
+    assert "quant_gguf" not in drafter_options(q4, "auto", {})
+    by_hand = drafter_options(q4, "quant", {})["quant_gguf"]
+    assert GGUFModel(by_hand).dtype in ("Q2_K", "Q4_0", "Q5_0", "Q8_0", "F16")  # k-quants fall back for narrow rows

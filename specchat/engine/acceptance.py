@@ -6,7 +6,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specchat.engine.sampling import sample
+from specchat.engine.sampling import argmax, sample
 
 
 class Verdict(NamedTuple):
@@ -47,7 +47,7 @@ def draw_next(
         if not dist.sum() > 0:  # p ~ q up to float error: the residual vanished, fall back to p
             dist = p[n]
     if greedy:
-        return int(dist.argmax())
+        return int(argmax(dist))
     return int(sample((dist / dist.sum()).unsqueeze(0), generator))
 
 

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from specchat.engine.acceptance import EXACT, AcceptRule
+from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.engine.sampling import SamplingParams, logits_to_probs
@@ -127,7 +127,10 @@ def generate(
         logits = drafter.verify(state, draft_list)  # [K+1, V]
         p = logits_to_probs(logits, params)  # [K+1, V]
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
-        verdict = rule(draft_ids, q, p, generator, params.greedy)
+        if n_drafted:
+            verdict = rule(draft_ids, q, p, generator, params.greedy)
+        else:  # a plain step under every rule: the token is drawn from p[0] (the same draw the rule would make)
+            verdict = Verdict(0, draw_next(0, q, p, generator, params.greedy), p.new_empty(0))
         n = verdict.accepted
         if adaptive:
             adaptive.update(drafter.name, n_drafted, n)
@@ -164,7 +167,7 @@ def generate(
             expected_tokens=1.0 + float(torch.cumprod(verdict.accept_probs[:judged].float(), 0).sum()) if judged else 1.0,
         )
         raw = p if params == UNWARPED else logits[: len(new)].float().softmax(-1)  # [E, V]: the inspector's
-        record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode)
+        record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy)
         record.wall_s = time.perf_counter() - t0
         chooser.observe(record)
         produced += len(new)
@@ -174,14 +177,16 @@ def generate(
             return
 
 
-def _token_events(new, n, p, q, raw, accept_probs, round_index, decode) -> list[TokenEvent]:
+def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy=False) -> list[TokenEvent]:
     """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
     k = q.shape[0]
     ids = torch.tensor(new, device=p.device)  # [E]
     p_x = p[torch.arange(len(new), device=p.device), ids].tolist()
     drafted = min(len(new), k)  # emitted positions that had a draft
     q_x = q[torch.arange(drafted, device=q.device), ids[:drafted]].tolist()
-    top_p, top_q = top_alternatives(p[: len(new)]), top_alternatives(q[:drafted])
+    # a greedy p is one-hot at the token itself: no top-k over the vocabulary needed (each costs ~0.1 ms)
+    top_p = [((tok, 1.0),) for tok in new] if greedy else top_alternatives(p[: len(new)])
+    top_q = top_alternatives(q[:drafted]) if drafted else []
     raw_x, top_raw = raw[torch.arange(len(new), device=p.device), ids].tolist(), top_alternatives(raw[: len(new)])
     acc = accept_probs.tolist()
     events = []

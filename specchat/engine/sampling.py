@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] the index of the largest value (the first one on ties, as torch.argmax). On a CPU through
+    numpy: over a 49k vocabulary torch's took 87 us on the reference CPU and numpy's 6, and a plain round of a
+    ~10 ms llama.cpp step takes two."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=-1)))
+    return x.argmax(-1)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
 
@@ -35,20 +45,34 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = nucleus(probs, params.top_p)
     return probs
+
+
+NUCLEUS_SIZES = (64, 1024)  # the top-n tried before sorting the whole vocabulary
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] -> [..., V]: only the most likely tokens whose mass before them is below top_p (the first always stays),
+    renormalised. Only the top n are sorted, for the smallest n tried whose mass reaches top_p in every row: the
+    tokens beyond them have at least that much mass before them, so all are dropped. Sorting all 49k ids took 3.6
+    ms on the reference CPU, the top 64 a tenth of that."""
+    vocab = probs.shape[-1]
+    for n in (*[n for n in NUCLEUS_SIZES if n < vocab], vocab):
+        kept, order = torch.topk(probs, n, dim=-1)  # [..., n], most likely first
+        if n == vocab or bool((kept.sum(-1) >= top_p).all()):
+            break
+    drop = (kept.cumsum(-1) - kept) >= top_p  # the mass strictly before the token already reaches top_p
+    kept = kept.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, kept)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

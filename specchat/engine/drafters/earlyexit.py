@@ -25,7 +25,7 @@ import torch
 from specchat.engine.cache import crop_to
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.drafters.layers import Decoder
-from specchat.engine.sampling import logits_to_probs, sample
+from specchat.engine.sampling import argmax, logits_to_probs, sample
 
 
 def builtin_exit(n_layers: int) -> int:
@@ -79,7 +79,7 @@ class EarlyExitDrafter(Drafter):
             # layers 0..E-1 write the target's own KV entries for `feed`
             h = dec.run(dec.embed([feed]), range(self.exit_layer), state.cache, past + i)  # [1, 1, D]
             q = logits_to_probs(dec.logits(h)[-1], params)  # [V] float32: exactly what the token is drawn from
-            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
+            token = int(argmax(q)) if params.greedy else int(sample(q[None], generator))
             ids.append(token)
             qs.append(q)
             hidden.append(h)

@@ -31,7 +31,7 @@ from transformers.activations import ACT2FN
 from specchat.engine.cache import KVCache, common_prefix
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.runner import Block, Shape, Runner, decoder_layer, rms_norm, unsupported
-from specchat.engine.sampling import logits_to_probs, sample
+from specchat.engine.sampling import argmax, logits_to_probs, sample
 from specchat.engine.smallbatch import draft_weights, linear
 
 FORMAT = "specchat-draft-head/1"
@@ -210,7 +210,7 @@ class HeadDrafter(Drafter):
             q, logits = self.q_of(hidden, state.vocab_size, params)  # [V], [N]
             if self.p_min > 0 and float((torch.softmax(logits.float(), -1) if params.greedy else q).max()) < self.p_min:
                 break
-            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
+            token = int(argmax(q)) if params.greedy else int(sample(q[None], generator))
             ids.append(token)
             qs.append(q)
             if i + 1 < k:  # head position n-1+i reads (its own predicted feature, the token just drafted)

@@ -7,7 +7,7 @@ import torch
 from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
 from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
-from specchat.engine.sampling import logits_to_probs, sample
+from specchat.engine.sampling import argmax, logits_to_probs, sample
 from specchat.engine.smallbatch import linear
 
 
@@ -106,7 +106,7 @@ class ModelDrafter(Drafter):
             # confidence: q's top probability (a greedy q is one-hot, so use the softmax of the logits)
             if self.p_min > 0 and float((torch.softmax(logits.float(), -1) if params.greedy else q).max()) < self.p_min:
                 break
-            token = int(q.argmax()) if params.greedy else int(sample(q[None], generator))
+            token = int(argmax(q)) if params.greedy else int(sample(q[None], generator))
             ids.append(token)
             qs.append(q)
             feed = [token]
