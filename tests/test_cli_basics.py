@@ -96,6 +96,9 @@ BAD_INPUTS = {
     "top-k < 0": (["--top-k", "-1"], "top-k"),
     "draft mode without draft": (["--mode", "draft"], "needs a draft model"),
     "unknown mode": (["--mode", "nope"], "mode"),
+    "unknown engine": (["--engine", "vllm"], "engine"),
+    "llama.cpp on a directory": (["--engine", "llama.cpp", "--target", "./no/such/dir"], "runs .gguf files"),
+    "llama.cpp with a draft that is not GGUF": (["--engine", "llama.cpp", "--draft", "./no/such/dir"], "the draft must be a .gguf file"),
 }
 
 
@@ -111,6 +114,14 @@ def test_bad_input_is_one_line_and_nonzero(case):
     assert r.exit_code != 0 and isinstance(r.exception, SystemExit), (r.exception, r.output)
     assert "Traceback" not in r.output and expected in r.output, r.output
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
+
+
+def test_a_file_that_is_not_gguf_is_one_line_on_the_llama_cpp_engine(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"not a model at all" * 100)
+    r = invoke("generate", "--prompt", "hi", "--engine", "llama.cpp", "--target", bad)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "is not a GGUF model" in lines[0], r.output
 
 
 # ---------------------------------------------------------------- --export

@@ -96,7 +96,7 @@ def _model_options(f, *, draft: bool):
         click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch (default: the physical cores other work leaves free, re-chosen as that changes)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch and llama.cpp (default: the physical cores other work leaves free, re-chosen as that changes)."),
     ], f)
 
 

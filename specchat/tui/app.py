@@ -23,7 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from specchat.engine.drafters import ModeUnavailable
+from specchat.engine.drafters import TORCH_ONLY, ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
 from specchat.history import ConversationLog, conversations, conversations_dir
 from specchat.modes import MODES
@@ -86,6 +86,8 @@ class SpecChatApp(App):
         self.unavailable: dict[str, str] = {}
         if session.draft is None:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
+        if getattr(session, "engine_label", "torch") == "llama.cpp":  # known before anyone presses the key
+            self.unavailable.update({mode: f"needs the torch engine (--engine torch): it {why}" for mode, why in TORCH_ONLY.items()})
         try:  # the panel's speedups compare against plain rounds measured in-band, under the same load
             session.measure_baseline()
         except ModeUnavailable:
