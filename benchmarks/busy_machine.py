@@ -24,6 +24,9 @@ CONFIGS = {  # name -> (environment, extra arguments)
     "--threads 1": ({}, ["--threads", "1"]),
     "--threads 2 (spin, fixed)": ({}, ["--threads", "2"]),
     "passive, --threads 2 (before)": ({"OMP_WAIT_POLICY": "PASSIVE"}, ["--threads", "2"]),
+    # libgomp's own spin: llama.cpp's threads (the same OpenMP runtime as torch's) wait between decodes
+    "default, GOMP_SPINCOUNT=300000": ({"GOMP_SPINCOUNT": "300000"}, []),
+    "--threads 2, GOMP_SPINCOUNT=300000": ({"GOMP_SPINCOUNT": "300000"}, ["--threads", "2"]),
 }
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm, with many chapters."
 COMPETITOR = [sys.executable, "-c", "while True: pass"]

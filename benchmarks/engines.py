@@ -6,11 +6,14 @@ One process, every configuration interleaved per prompt and repetition, greedy u
         [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch]
         [--llama-bench PATH] [--llama-speculative PATH]
 
-"llama.cpp plain" is the floor any engine on llama.cpp has: a Python loop that feeds one token per llama_decode
+"llama.cpp plain" is the ceiling any loop on llama.cpp can reach: a Python loop that feeds one token per llama_decode
 and takes the argmax of its logits (what llama-bench's tg does, plus the argmax and the ctypes call). Every
 figure is decode tokens per second (the prefill left out), median over prompts and repetitions; ratios are
 per-prompt paired ratios against llama.cpp plain of the same prompt and repetition, then the median. The load
-average is printed before and after: on the 2-core machine a busy neighbour halves everything.
+average is printed before and after: on the 2-core machine a busy neighbour halves everything. Greedy outputs
+are compared token for token with llama.cpp plain (a prompt prefilled whole) and with specchat's mode off on
+llama.cpp (which, like every session here, reuses the cached prefix of the previous prompt: a prefill split
+differently rounds differently, so only the second comparison isolates what speculation changes).
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ def main() -> None:
     tok_s: dict[str, list[float]] = {n: [] for n in names}
     ratio: dict[str, list[float]] = {n: [] for n in names}
     used: dict[str, dict] = {n: {} for n in sessions}
-    same: dict[str, list[bool]] = {n: [] for n in sessions}
+    same: dict[str, list[bool]] = {n: [] for n in sessions}  # greedy output = llama.cpp's own plain loop's
+    same_off: dict[str, list[bool]] = {n: [] for n in sessions}  # = specchat's mode off on llama.cpp (same cache reuse)
     for rep in range(args.reps):
         for p in prompts:
             prompt = ids[p["name"]]
@@ -131,14 +135,19 @@ def main() -> None:
             order = list(sessions)
             if rep % 2:
                 order.reverse()  # neither side always runs first
+            outputs = {}
             for name in order:
                 out, rate, modes = specchat_run(sessions[name], prompt, args.tokens)
                 tok_s[name].append(rate)
                 ratio[name].append(rate / base)
                 for m, n in modes.items():
                     used[name][m] = used[name].get(m, 0) + n
+                outputs[name] = out
                 if name.endswith("T=0"):
                     same[name].append(out == plain_ids[: len(out)])
+            for name in sessions:
+                if name.endswith("T=0") and "llama.cpp off T=0" in outputs:
+                    same_off[name].append(outputs[name] == outputs["llama.cpp off T=0"])
             if args.llama_bench:
                 rate = tool_tok_s([args.llama_bench, "-m", str(path), "-t", str(n_threads), "-p", "0", "-n", str(args.tokens),
                                    "-r", "1", "-o", "json"])
@@ -153,14 +162,16 @@ def main() -> None:
             print(f"rep {rep + 1} {p['name']}: " + ", ".join(f"{n} {tok_s[n][-1]:.1f}" for n in names if tok_s[n]), flush=True)
 
     print(f"\nload average after: {os.getloadavg()}")
-    print(f"{'configuration':32} {'tok/s (median)':>15} {'x llama.cpp plain (median, range)':>36}  greedy = plain   rounds by mode")
+    print(f"{'configuration':26} {'tok/s (median)':>15} {'x llama.cpp plain (median, range)':>34}  "
+          f"greedy = plain, = off   rounds by mode")
     for n in names:
         if not tok_s[n]:
             continue
         r = ratio[n]
         identical = f"{sum(same[n])}/{len(same[n])}" if same.get(n) else ""
-        print(f"{n:32} {statistics.median(tok_s[n]):15.1f} {statistics.median(r):14.2f}x ({min(r):.2f}-{max(r):.2f})"
-              f"       {identical:>8}   {used.get(n, '')}")
+        identical_off = f"{sum(same_off[n])}/{len(same_off[n])}" if same_off.get(n) else ""
+        print(f"{n:26} {statistics.median(tok_s[n]):15.1f} {statistics.median(r):14.2f}x ({min(r):.2f}-{max(r):.2f})"
+              f"     {identical:>6} {identical_off:>6}   {used.get(n, '')}")
 
 
 if __name__ == "__main__":

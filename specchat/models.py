@@ -199,7 +199,7 @@ def gguf_tokenizer(path: Path):
 
 def load_gguf(spec: str | None) -> LoadedModel:
     """A GGUF file (no spec: the default model's) on llama.cpp, with its tokenizer."""
-    from specchat.engine.llamacpp import GGUFModel
+    from specchat.engine.llamacpp import EngineError, GGUFModel
 
     path = default_gguf() if spec is None else Path(spec).expanduser()
     if not path.is_file():
@@ -207,7 +207,7 @@ def load_gguf(spec: str | None) -> LoadedModel:
     tokenizer = gguf_tokenizer(path)
     try:
         model = GGUFModel(path)
-    except ValueError as e:
+    except EngineError as e:
         raise ModelError(f"{e} (is it a GGUF model file?)") from e
     return LoadedModel(model, tokenizer, DEFAULT_MODEL_NAME if spec is None else spec)
 

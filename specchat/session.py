@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import random
 import threading
 import time
@@ -14,17 +15,18 @@ from typing import Iterator
 
 import torch
 
-from specchat import store, threads
-from specchat import models
+from specchat import models, store, threads
 from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate, target_state
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
-from specchat.engine.llamacpp import on_llama_cpp
+from specchat.engine.llamacpp import EngineError, on_llama_cpp
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.models import LoadedModel
 from specchat.modes import TUNABLE
+
+log = logging.getLogger("specchat")
 
 RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
 BASELINE_ROUNDS = 16  # the latest plain rounds the baseline is measured from
@@ -92,9 +94,12 @@ def drafter_options(model, mode: str, options: dict) -> dict:
         # auto tries quant only on a 16- or 32-bit file: a 4-bit copy of an 8-bit or 4-bit file cost 0.8 of its step
         # (benchmarks/llamacpp_step.py), so with a verify of 5 positions at 2.3-3.9 steps it can only lose
         wide = model.dtype in ("F32", "F16", "BF16")
-        if (mode == "quant" or (mode == "auto" and wide)) and out.get("quant_gguf") is None:
-            draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
-            out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
+        draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
+        if (mode == "quant" or (mode == "auto" and wide)) and out.get("quant_gguf") is None and draft_type != model.dtype:
+            try:
+                out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
+            except EngineError as e:  # the drafter's build then says quant is unavailable (auto: not a candidate)
+                log.warning("no %s copy of %s for mode quant: %s", draft_type, model.path.name, e)
         return out
     setting = TUNABLE.get(mode)
     if setting is not None and out.get(setting) is None:

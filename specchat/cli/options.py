@@ -42,10 +42,11 @@ def user_errors():
         yield
     except Exception as e:
         from specchat.engine.drafters import ModeUnavailable
+        from specchat.engine.llamacpp import EngineError
         from specchat.models import ModelError
         from specchat.session import PromptTooLong
 
-        if isinstance(e, (ModelError, ModeUnavailable, PromptTooLong)):
+        if isinstance(e, (ModelError, ModeUnavailable, PromptTooLong, EngineError)):
             raise UserError(str(e)) from None
         raise
 

@@ -1,7 +1,7 @@
 """The llama.cpp engine: GGUF models run by llama.cpp in-process (llama-cpp-python's C bindings), under specchat's
 own loop.
 
-llama.cpp is the fastest CPU engine there is for GGUF files; specchat does not rewrite it. It asks llama.cpp for
+llama.cpp is the field's CPU engine for GGUF files; specchat does not rewrite it. It asks llama.cpp for
 what the loop needs and nothing else: logits of the K+1 positions a verify feeds (a batch whose every position
 is marked for output), one forward for a prompt that keeps only the last position's logits, and KV rollback
 (`llama_memory_seq_rm`, a crop). Everything above that, the exact rule, p and q per token, the modes, stays
@@ -19,6 +19,7 @@ rounding of each other (README, Engines, counts how often). The rule is exact fo
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,12 @@ import torch
 from specchat.engine.target import TargetState
 
 N_BATCH = 512  # positions per llama_decode call (longer prompts go in chunks)
-MAX_CONTEXT = 32768  # a context window beyond this (Qwen2.5's 128k) would reserve a KV cache of many GB
+# llama.cpp reserves a context's whole KV cache at once (a Llama-3-8B: 128 KiB a position); the torch engine grows
+# its own as it goes. 8192 positions hold any chat here while a 1.5B Qwen's cache stays at 224 MiB
+MAX_CONTEXT = 8192
+
+_lib = None  # llama_cpp, once bindings() loaded it
+_quiet = None  # llama.cpp's log callback
 
 
 def on_llama_cpp(model) -> bool:
@@ -37,6 +43,10 @@ def on_llama_cpp(model) -> bool:
 
 class EngineUnavailable(Exception):
     """llama-cpp-python is not installed or cannot load; the message says so in one line."""
+
+
+class EngineError(Exception):
+    """llama.cpp refused something (a file, a context, a decode, a rollback); the message is one line for the user."""
 
 
 def bindings():
@@ -62,10 +72,6 @@ def available() -> bool:
     return True
 
 
-_lib = None
-_quiet = None  # llama.cpp's log callback
-
-
 class GGUFModel:
     """A GGUF file's weights in llama.cpp (memory-mapped, shared by every Context made from it)."""
 
@@ -78,12 +84,17 @@ class GGUFModel:
         params.n_gpu_layers = 0  # this engine is the CPU's; CUDA targets run on torch
         self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
-            raise ValueError(f"llama.cpp cannot load {self.path}")
-        self._lib = lib  # __del__ may run after the module's globals are gone
+            raise EngineError(f"llama.cpp cannot load {self.path}")
+        self._lib, self._log = lib, _quiet  # freed (and logging) after the module's globals may be gone
+        # every Context holds its model, and finalizers run newest first at exit: contexts are freed before it
+        self._free = weakref.finalize(self, lib.llama_model_free, self.ptr)
         vocab = lib.llama_model_get_vocab(self.ptr)
         self.vocab_size = int(lib.llama_vocab_n_tokens(vocab))
         self.context_len = min(int(lib.llama_model_n_ctx_train(self.ptr)), MAX_CONTEXT)
-        self.eos_ids = {int(t) for t in (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)) if t >= 0}
+        # every id that ends generation in llama.cpp's own loop (eos, eot, <|im_end|>, ...)
+        self.eos_ids = {t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(vocab, t)}
+        # a recurrent model's state cannot be cut back to an earlier position: it can decode, not speculate
+        self.can_rollback = not (lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr))
         self.device = torch.device("cpu")
         self.file_type = self.meta("general.file_type")
 
@@ -106,10 +117,11 @@ class GGUFModel:
     def context(self, n_ctx: int | None = None) -> "Context":
         return Context(self, n_ctx or self.context_len)
 
-    def __del__(self) -> None:
-        if getattr(self, "ptr", None):
-            self._lib.llama_model_free(self.ptr)
-            self.ptr = None
+
+def _free_context(lib, ptr, batch, model) -> None:
+    """Free one context (`model` is an argument so that the model outlives it)."""
+    lib.llama_batch_free(batch)
+    lib.llama_free(ptr)
 
 
 class Context:
@@ -131,15 +143,17 @@ class Context:
         params.n_threads = params.n_threads_batch = self.threads
         self.ptr = lib.llama_init_from_model(model.ptr, params)
         if not self.ptr:
-            raise ValueError(f"llama.cpp cannot make a context of {n_ctx} positions for {model.path}")
+            raise EngineError(f"llama.cpp cannot make a context of {n_ctx} positions for {model.path.name} (out of memory?)")
         self.memory = lib.llama_get_memory(self.ptr)
         self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        self._free = weakref.finalize(self, _free_context, lib, self.ptr, self.batch, model)
         self.length = 0  # positions the cache holds
 
     def crop(self, length: int) -> None:
         """Keep positions 0..length-1."""
         if length < self.length:
-            self._lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+            if not self._lib.llama_memory_seq_rm(self.memory, 0, length, -1):
+                raise EngineError(f"llama.cpp cannot roll {self.model.path.name}'s cache back (a recurrent model): use --mode off")
             self.length = length
 
     def decode(self, ids: list[int], past: int, keep: int) -> torch.Tensor:
@@ -148,7 +162,7 @@ class Context:
         if past > self.length:
             raise ValueError(f"the cache holds {self.length} positions; cannot feed at {past}")
         if past + len(ids) > self.n_ctx:
-            raise ValueError(f"{past + len(ids)} positions do not fit the context of {self.n_ctx}")
+            raise EngineError(f"{past + len(ids)} positions do not fit llama.cpp's context of {self.n_ctx}")
         self.crop(past)
         n = torch.get_num_threads()
         if n != self.threads:
@@ -166,35 +180,30 @@ class Context:
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = start + i >= first_kept
             status = lib.llama_decode(self.ptr, batch)
-            if status != 0:
-                self.length = past + start  # llama.cpp left the cache as it was before this chunk
-                lib.llama_memory_seq_rm(self.memory, 0, self.length, -1)
-                raise RuntimeError(f"llama_decode failed with status {status}")
+            if status != 0:  # llama.cpp has removed this chunk's positions again; the cache holds what came before
+                self.length = past + start
+                raise EngineError(f"llama_decode failed with status {status}")
             self.length = past + start + len(chunk)
             outputs = sum(1 for i in range(len(chunk)) if start + i >= first_kept)
             if outputs:
-                logits = lib.llama_get_logits(self.ptr)
+                logits = lib.llama_get_logits(self.ptr)  # [outputs, V], in batch order
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(outputs, self.model.vocab_size)).copy()))
         return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-    def __del__(self) -> None:
-        if getattr(self, "ptr", None):
-            self._lib.llama_batch_free(self.batch)
-            self._lib.llama_free(self.ptr)
-            self.ptr = None
 
 
 class LlamaTargetState(TargetState):
     """TargetState on llama.cpp: the same invariant, start/verify/commit, over a Context instead of torch's KV cache.
 
     There is no lean runner and no per-layer entry point here, and the last layer's features are not kept: the
-    modes that need them (layerskip, earlyexit, lowrank, head) run on the torch engine only.
+    modes that need them (layerskip, earlyexit, lowrank, head) run on the torch engine only. Only `forward` and
+    `_crop` differ from torch's (forward's crop happens inside Context.decode); `__init__` sets the fields
+    TargetState's methods read, without torch's runner.
     """
 
     runner = "llama.cpp"
     lean = None
 
-    def __init__(self, model: GGUFModel, runner: str = "auto") -> None:  # noqa: super().__init__ is torch's
+    def __init__(self, model: GGUFModel, runner: str = "auto") -> None:  # `runner` is torch's choice: ignored
         self.model = model
         self.cache = model.context()
         self.tokens: list[int] = []
@@ -234,4 +243,4 @@ def quantize(source: Path, dest: Path, file_type: str) -> None:
     params.nthread = torch.get_num_threads()
     status = lib.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params))
     if status != 0:
-        raise RuntimeError(f"llama.cpp could not quantise {source} to {file_type} (status {status})")
+        raise EngineError(f"llama.cpp could not quantise {source.name} to {file_type} (status {status})")

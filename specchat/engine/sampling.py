@@ -67,9 +67,10 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     vocab = probs.shape[-1]
     for n in (*[n for n in NUCLEUS_SIZES if n < vocab], vocab):
         kept, order = torch.topk(probs, n, dim=-1)  # [..., n], most likely first
-        if n == vocab or bool((kept.sum(-1) >= top_p).all()):
+        mass = kept.cumsum(-1)  # [..., n]
+        if n == vocab or bool((mass[..., -1] >= top_p).all()):
             break
-    drop = (kept.cumsum(-1) - kept) >= top_p  # the mass strictly before the token already reaches top_p
+    drop = (mass - kept) >= top_p  # the mass strictly before the token already reaches top_p
     kept = kept.masked_fill(drop, 0.0)
     probs = torch.zeros_like(probs).scatter_(-1, order, kept)
     return probs / probs.sum(-1, keepdim=True)

@@ -102,7 +102,12 @@ class TargetState:
         self._crop(keep)
         if keep >= len(tokens) - 1:  # all cached but the last token: leave it pending, the first verify feeds it
             return 0
-        self.head = self.forward(self.tokens[keep:], keep, keep=1)  # [1, V]
+        try:
+            self.head = self.forward(self.tokens[keep:], keep, keep=1)  # [1, V]
+        except BaseException:  # a failed or interrupted prefill: back to what the cache surely holds, tokens[:keep]
+            self.tokens = self.tokens[: keep + 1]
+            self._crop(keep)
+            raise
         return len(tokens) - keep
 
     def verify(self, draft_ids: list[int]) -> torch.Tensor:

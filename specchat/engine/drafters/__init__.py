@@ -47,6 +47,8 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     """
     if mode not in DRAFTERS:
         raise ModeUnavailable(f"unknown mode {mode!r}; choose one of {', '.join(DRAFTERS)}")
+    if on_llama_cpp(target) and not target.can_rollback and mode not in ("off", "auto"):
+        raise ModeUnavailable(f"mode {mode!r}: {target.path.name} is a recurrent model, whose state llama.cpp cannot roll back")
     if on_llama_cpp(target) and mode in TORCH_ONLY:
         raise ModeUnavailable(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
     if on_llama_cpp(target) and mode in ("draft", "quant"):  # a GGUF file on a llama.cpp context of its own

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from specchat.engine.drafters.base import ModeUnavailable
 from specchat.engine.drafters.model import ModelDrafter, align_vocab
-from specchat.engine.llamacpp import GGUFModel, on_llama_cpp
+from specchat.engine.llamacpp import EngineError, GGUFModel, on_llama_cpp
 
 
 class GGUFDrafter(ModelDrafter):
@@ -22,24 +22,28 @@ class GGUFDrafter(ModelDrafter):
         if mode == "quant":
             if quant_gguf is None:
                 raise ModeUnavailable("mode 'quant' on llama.cpp needs a smaller quantisation of the target's file; none was made")
-            return cls(GGUFModel(quant_gguf), name="quant")
+            try:
+                return cls(GGUFModel(quant_gguf), name="quant", n_ctx=target.context_len)
+            except EngineError as e:
+                raise ModeUnavailable(f"mode 'quant': {e}") from None
         if draft is None:
             raise ModeUnavailable("mode 'draft' needs a draft model: pass --draft MODEL")
         if not on_llama_cpp(draft):
             raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
         if draft_vocab is not None:
             raise ModeUnavailable("--draft-vocab needs the torch engine's lean runner (--engine torch)")
-        return cls(draft, name="draft")
+        return cls(draft, name="draft", n_ctx=target.context_len)
 
-    def __init__(self, model: GGUFModel, name: str = "draft") -> None:
+    def __init__(self, model: GGUFModel, name: str = "draft", n_ctx: int | None = None) -> None:
         self.model, self.name = model, name
+        self.n_ctx = n_ctx or model.context_len  # the target's window: a draft trained on a shorter one still follows it
         self.lean, self.vocab_ids = None, None
         self.embed_size = model.vocab_size
         self.stand_in = min(model.eos_ids) if model.eos_ids else 0  # fed for a target id beyond the draft's table
         self.reset()
 
     def reset(self) -> None:
-        self.cache = self.model.context()
+        self.cache = self.model.context(self.n_ctx)
         self.cached: list[int] = []
 
     def crop(self, length: int) -> None:
