@@ -6,7 +6,7 @@ runs when specchat starts, or it starts after the 80th token (the first 20 token
 rate, which the mid-run case measures before the competitor starts). Configurations run interleaved, each repetition visiting all of them, so drift in the machine's load
 hits all alike.
 
-    python benchmarks/busy_machine.py [--reps 2] [--tokens 320]
+    python benchmarks/busy_machine.py [--reps 2] [--tokens 320] [--configs "NAME;NAME"] [--args '--engine torch']
 """
 
 from __future__ import annotations
@@ -67,11 +67,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=320)
+    parser.add_argument("--configs", default=None, help="names of CONFIGS to run, separated by semicolons (default: all)")
+    parser.add_argument("--args", default="", help="extra arguments for every `specchat generate`, e.g. '--engine torch'")
     a = parser.parse_args()
+    configs = {n: c for n, c in CONFIGS.items() if a.configs is None or n in a.configs.split(";")}
     print("load average before:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     quiet, before, during, threads = {}, {}, {}, {}
     for _ in range(a.reps):
-        for name, (env, args) in CONFIGS.items():
+        for name, (env, args) in configs.items():
+            args = [*args, *a.args.split()]
             _, b, t_before = run(env, args, a.tokens, "before")
             q_during, d, t_during = run(env, args, a.tokens, "during")  # its first tokens are the quiet measurement
             for into, x in ((quiet, q_during), (before, b), (during, d)):
@@ -81,7 +85,7 @@ def main() -> None:
     print("load average after:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"\nmedian decode tokens/s over {a.reps} interleaved runs (up to {a.tokens} tokens, greedy, mode off)")
     print(f"{'setting':>30} | {'quiet':>6} | {'competitor from the start':>25} | {'competitor from token ' + str(SWITCH_AT):>25} | threads at the end")
-    for name in CONFIGS:
+    for name in configs:
         q, b, d = (statistics.median(x[name]) for x in (quiet, before, during))
         print(f"{name:>30} | {q:6.1f} | {b:12.1f} ({b / q:.2f} quiet) | {d:12.1f} ({d / q:.2f} quiet) | {threads[name]}")
 

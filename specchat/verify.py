@@ -207,8 +207,8 @@ def sample_continuations(
 
 
 def parallel_engines(session) -> int:
-    """How many engines `run_verify` draws with: on a CPU with the lean runner, one per torch thread, each
-    single-threaded. Two single-threaded engines on the 2-core reference machine drew 1.7x the rounds per
+    """How many engines `run_verify` draws with: on a CPU with the lean runner or llama.cpp, one per torch thread,
+    each single-threaded. Two single-threaded engines on the 2-core reference machine drew 1.7x the rounds per
     second of one engine on two threads (earlyexit, SmolLM2-135M, OpenMP's passive wait): a round is a chain
     of small operations, and every one of them makes two threads meet. On CUDA, and on the HF forward (whose
     modules may keep state between calls), one."""
@@ -316,7 +316,8 @@ class TargetConditionals:
     alone); each sequence is then fed after a copy of it, so one forward gives the conditionals at all of the
     sequence's prefixes. Sequences go BATCH at a time (right-padded: causal attention keeps the padding out
     of the positions that matter); that is 3-5x faster on a CPU than one forward each, and differs from the
-    loop's own forwards only by float rounding (~1e-5 of a logit in float32)."""
+    loop's own forwards only by float rounding (~1e-5 of a logit in float32). On llama.cpp each sequence is one
+    decode after the prompt on a context of its own (a batch of positions, as the loop's verifies are)."""
 
     BATCH = 16
 

@@ -117,3 +117,17 @@ def test_the_users_wait_policy_and_thread_count_are_kept():
     assert (policy, spin) == ("ACTIVE", "None")
     *_, n, _, adaptive = run_fresh(PROBE, OMP_NUM_THREADS="1").split()
     assert (n, adaptive) == ("1", "False")
+
+
+LLAMA_PROBE = ("import os; from specchat.cli import options; from specchat import threads; options.prepare_process(); "
+               "opts = dict(engine='{engine}', target=None, draft=None, device='auto'); "
+               "threads.prepare_for_llama_cpp() if options.likely_llama_cpp(opts) else None; "
+               "import torch; print(os.environ.get('GOMP_SPINCOUNT'))")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GOMP_SPINCOUNT is libgomp's (Linux)")
+def test_llama_cpp_gets_the_longer_spin_torch_the_short_one_and_the_users_is_kept():
+    """What load_models does before torch loads: the default model on engine auto runs on llama.cpp."""
+    assert run_fresh(LLAMA_PROBE.format(engine="auto")).strip() == threads.LLAMA_CPP_SPIN_COUNT
+    assert run_fresh(LLAMA_PROBE.format(engine="torch")).strip() == threads.SPIN_COUNT
+    assert run_fresh(LLAMA_PROBE.format(engine="auto"), GOMP_SPINCOUNT="77").strip() == "77"

@@ -172,11 +172,23 @@ def mode_settings(opts: dict) -> dict:
     return out
 
 
+def likely_llama_cpp(opts: dict) -> bool:
+    """Whether models.pick_engine will choose llama.cpp, told without importing torch or llama.cpp (the choice
+    itself needs both)."""
+    import importlib.util
+
+    gguf = [spec is None or spec.endswith(".gguf") for spec in (opts.get("target"), opts.get("draft") or ".gguf")]
+    return (opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu")
+            and importlib.util.find_spec("llama_cpp") is not None)
+
+
 def load_models(opts: dict, console):
     """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
+    if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
+        threads.prepare_for_llama_cpp()
     threads.set_threads(opts.get("threads"))
     from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype, pick_engine
 
