@@ -174,12 +174,12 @@ def mode_settings(opts: dict) -> dict:
 
 def likely_llama_cpp(opts: dict) -> bool:
     """Whether models.pick_engine will choose llama.cpp, told without importing torch or llama.cpp (the choice
-    itself needs both)."""
-    import importlib.util
+    itself needs both): llama-cpp-python is looked for on sys.path."""
+    from pathlib import Path
 
     gguf = [spec is None or spec.endswith(".gguf") for spec in (opts.get("target"), opts.get("draft") or ".gguf")]
-    return (opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu")
-            and importlib.util.find_spec("llama_cpp") is not None)
+    installed = any((Path(p or ".") / "llama_cpp" / "__init__.py").is_file() for p in sys.path)
+    return opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu") and installed
 
 
 def load_models(opts: dict, console):
