@@ -247,7 +247,7 @@ def load_session(opts: dict, *, quiet: bool = False):
     if session.engine_label == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
             and (not opts.get("draft") or is_gguf(opts["draft"])):
         session.notices.append(f"llama-cpp-python is not installed, so this GGUF runs dequantised on torch; on llama.cpp plain "
-                               f"decoding of the default model ran 2.6x faster on the reference machine: {LLAMA_CPP_INSTALL}")
+                               f"decoding of the default model ran 2.3x faster on the reference machine: {LLAMA_CPP_INSTALL}")
     session.device_label = str(device)
     if session.engine_label == "torch":
         session.dtype_label = str(dtype).removeprefix("torch.")
