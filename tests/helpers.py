@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, TokenEvent, generate, target_state
+from specchat.engine import Controls, RoundRecord, SamplingParams, TokenEvent, generate, target_state
 from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter, ModeUnavailable

@@ -15,7 +15,7 @@ from helpers import (
     sample_and_fit,
     write_gguf,
 )
-from specchat.engine import SamplingParams, target_state
+from specchat.engine import SamplingParams
 from specchat.engine.drafters import ModeUnavailable, TORCH_ONLY, build_drafter
 from specchat.engine.drafters.gguf import GGUFDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
