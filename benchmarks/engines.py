@@ -6,7 +6,7 @@ One process, every configuration interleaved per prompt and repetition, greedy u
         [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch]
         [--llama-bench PATH] [--llama-speculative PATH]
 
-"llama.cpp plain" is the ceiling any loop on llama.cpp can reach: a Python loop that feeds one token per llama_decode
+"llama.cpp plain" is the reference every ratio is taken against: a Python loop that feeds one token per llama_decode
 and takes the argmax of its logits (what llama-bench's tg does, plus the argmax and the ctypes call). Every
 figure is decode tokens per second (the prefill left out), median over prompts and repetitions; ratios are
 per-prompt paired ratios against llama.cpp plain of the same prompt and repetition, then the median. The load
