@@ -24,11 +24,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate  # noqa: E402
 from specchat.engine.drafters.model import ModelDrafter  # noqa: E402
 from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
-from specchat.engine.runner import lean_runner  # noqa: E402
+from specchat.engine.loop import Controls, generate
 from specchat.engine.metrics import Stats  # noqa: E402
+from specchat.engine.runner import lean_runner  # noqa: E402
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState  # noqa: E402
 from specchat.models import load_model, pick_dtype  # noqa: E402
 
 

@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from specchat.engine import SamplingParams  # noqa: E402
+from specchat.engine.sampling import SamplingParams  # noqa: E402
 from specchat.models import default_gguf, load_model  # noqa: E402
 from specchat.session import Session  # noqa: E402
 

@@ -26,10 +26,12 @@ threads.prepare_process()  # OpenMP waits as specchat's own commands wait (OMP_W
 
 import torch  # noqa: E402
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate  # noqa: E402
 from specchat.engine.drafters.head import HeadDrafter  # noqa: E402
 from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
+from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import rms_norm  # noqa: E402
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState  # noqa: E402
 from specchat.models import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

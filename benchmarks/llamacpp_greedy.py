@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from specchat.engine import SamplingParams  # noqa: E402
+from specchat.engine.sampling import SamplingParams  # noqa: E402
 from specchat.models import load_model  # noqa: E402
 from specchat.session import Session  # noqa: E402
 

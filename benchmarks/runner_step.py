@@ -23,9 +23,12 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate, smallbatch
+from specchat.engine import smallbatch
 from specchat.engine.cache import crop_to, forward_logits, new_cache
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.machine import cpu_name
 from specchat.models import load_model
 

@@ -13,9 +13,11 @@ import time
 
 import torch
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.models import load_model, pick_device, pick_dtype
 
 

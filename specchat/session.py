@@ -16,13 +16,16 @@ from typing import Iterator
 import torch
 
 from specchat import models, store, threads
-from specchat.engine import Controls, RoundRecord, SamplingParams, TargetState, generate, target_state
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
-from specchat.engine.llamacpp import EngineError, on_llama_cpp
+from specchat.engine.events import RoundRecord
+from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
+from specchat.engine.loop import Controls, generate
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.models import LoadedModel
 from specchat.modes import TUNABLE
 

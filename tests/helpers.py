@@ -15,11 +15,14 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specchat.engine import Controls, RoundRecord, SamplingParams, TokenEvent, generate, target_state
 from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter, ModeUnavailable
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.events import RoundRecord, TokenEvent
+from specchat.engine.llamacpp import target_state
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
 from specchat.engine.sampling import logits_to_probs
 from specchat.session import Session
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations

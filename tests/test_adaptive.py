@@ -7,10 +7,12 @@ import torch
 from click.testing import CliRunner
 
 from helpers import tiny_llama
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.loop import Controls, generate
 from specchat.engine.loop import AdaptiveK
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from collections import Counter
 from types import SimpleNamespace
 

@@ -7,10 +7,10 @@ import torch
 from click.testing import CliRunner
 
 from helpers import tiny_llama
-from specchat.engine import SamplingParams
 from specchat.engine.acceptance import EXACT, LenientRule, parse_rule
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.metrics import Stats
+from specchat.engine.sampling import SamplingParams
 from helpers import ALPHA, PROMPT, assert_drafted_up_to, run, sample_and_fit
 from helpers import tiny_model_dir
 

@@ -8,13 +8,13 @@ import pytest
 
 from helpers import (PROMPT, SAMPLING_CASES, ResampleFromP, WrongTemperatureFrom, assert_verdict, bigram_draft, run,
                      sample_and_fit)
-from specchat.engine import SamplingParams
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.auto import FIRST_WAIT, MAX_WAIT, WARMUP, AutoDrafter
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.sampling import SamplingParams
 
 
 T1 = SamplingParams(1.0)

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from test_head import random_head
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

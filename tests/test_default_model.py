@@ -5,9 +5,11 @@ import copy
 import pytest
 import torch
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.models import load_model
 
 PROMPTS = ["Write a haiku about rain", "What is the capital of France?", "Write a Python function that reverses a list."]

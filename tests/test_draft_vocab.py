@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from helpers import ReportsWrongQ, assert_verdict, fit_to_target, run, sample_and_fit, sample_joint, tiny_llama
-from specchat.engine import SamplingParams, TargetState
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.metrics import Stats
 from specchat.engine.runner import lean_runner
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 
 PROMPT = [1, 2, 3]
 

@@ -7,15 +7,17 @@ import pytest
 import torch
 
 from helpers import SMOL_PROMPTS, chat_ids
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter, builtin_exit
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
+from specchat.engine.metrics import Stats
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.session import drafter_options
 from specchat.store import save_tuned
-from specchat.engine.metrics import Stats
 from helpers import (ALPHA, PROMPT, assert_drafted_up_to, check_mode_distribution, fit_to_target, run)
 
 

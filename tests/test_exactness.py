@@ -16,12 +16,14 @@ from helpers import (
     sample_and_fit,
     sample_joint,
 )
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
-from specchat.engine.sampling import logits_to_probs
+from specchat.engine.loop import Controls, generate
 from specchat.engine.metrics import Stats
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.sampling import logits_to_probs
+from specchat.engine.target import TargetState
 
 # ---------------------------------------------------------------- greedy identity
 

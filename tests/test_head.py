@@ -17,13 +17,15 @@ from click.testing import CliRunner
 
 from helpers import ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, run, sample_and_fit, tiny_llama, tiny_model_dir
 from specchat.cli.main import main
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter
 from specchat.engine.drafters.head import DraftHead, HeadDrafter, fingerprint, head_spec, load_head
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import lean_runner
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features, training_seconds
 
 LEFT_OUT = [2, 7]  # tokens the tiny head cannot draft (the target can still emit them)

@@ -15,12 +15,12 @@ from helpers import (
     sample_and_fit,
     write_gguf,
 )
-from specchat.engine import SamplingParams
 from specchat.engine.drafters import ModeUnavailable, TORCH_ONLY, build_drafter
 from specchat.engine.drafters.gguf import GGUFDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.llamacpp import GGUFModel, LlamaTargetState, quantize
+from specchat.engine.sampling import SamplingParams
 
 VOCAB = 12
 

@@ -4,11 +4,13 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from specchat.engine import Controls, SamplingParams, TargetState
+from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.lookup import LookupDrafter
-from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
+from specchat.engine.loop import Controls
 from specchat.engine.metrics import Stats
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
 from helpers import ALPHA, PositionFit, ResampleFromP, assert_drafted_up_to, run
 
@@ -119,7 +121,7 @@ def test_distribution_test_catches_a_broken_rule_with_one_hot_q(peaked, record_p
 @pytest.mark.slow
 def test_default_model_greedy_matches_hf_generate():
     from helpers import SMOL_PROMPTS, chat_ids
-    from specchat.engine import generate
+    from specchat.engine.loop import generate
     from specchat.models import load_model
 
     smol = load_model(None, torch.device("cpu"), torch.float32)

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from helpers import SMOL_PROMPTS, chat_ids
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters import lowrank
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.session import drafter_options
 from specchat.store import save_tuned
 from helpers import check_mode_distribution, run

@@ -8,8 +8,10 @@ import torch
 
 from helpers import tiny_llama
 from helpers import SMOL_PROMPTS, chat_ids
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.drafters import ModeUnavailable, build_drafter
+from specchat.engine.loop import Controls, generate
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from helpers import ALPHA, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, run, sample_and_fit
 
 

@@ -20,12 +20,14 @@ from transformers import (
 )
 
 from helpers import tiny_llama
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import KVCache, forward_logits, new_cache
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import lean_runner, unsupported
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 
 VOCAB = 32
 FAMILIES = {

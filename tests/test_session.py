@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import tiny_model_dir
-from specchat.engine import SamplingParams
+from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.session import Session
 

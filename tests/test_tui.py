@@ -14,7 +14,7 @@ from rich.console import Console
 from textual.color import Color
 from textual.widgets import Input
 
-from specchat.engine import SamplingParams
+from specchat.engine.sampling import SamplingParams
 from specchat.tui import app as app_module
 from specchat.tui.app import SpecChatApp, run_chat
 from specchat.tui.log import LogScreen

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import FakeSession, tiny_model_dir
-from specchat.engine import SamplingParams
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.engine.metrics import Baseline
+from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.session import Session
 from specchat.tui.widgets.panel import baseline_text, estimate_speedup

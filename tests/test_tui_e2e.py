@@ -12,7 +12,7 @@ import pytest
 import torch
 from textual.widgets import Input
 
-from specchat.engine import SamplingParams
+from specchat.engine.sampling import SamplingParams
 from specchat.tui.app import SpecChatApp
 from specchat.tui.widgets import ReplyView
 

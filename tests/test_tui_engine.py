@@ -11,8 +11,8 @@ import torch
 from textual.widgets import Input
 
 from helpers import tiny_model_dir
-from specchat.engine import SamplingParams
 from specchat.engine.metrics import Stats
+from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.session import Session
 from specchat.tui.app import SpecChatApp

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import FakeSession, tiny_model_dir
-from specchat.engine import SamplingParams
 from specchat.engine.events import TokenEvent
+from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.session import Session
 from specchat.tui.widgets import Conversation, Inspector, ReplyView

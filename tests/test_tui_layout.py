@@ -199,7 +199,7 @@ async def test_the_panel_says_when_the_drafter_caps_k():
 async def test_the_panel_says_what_auto_runs_and_never_hides_approximate(size):
     """Mode auto: the mode line names the mode it runs and the next line why; cut at a narrow panel's width, the
     cut falls on the sampling settings, never on APPROXIMATE."""
-    from specchat.engine import SamplingParams
+    from specchat.engine.sampling import SamplingParams
 
     app = RecordingApp(FakeSession())
     async with app.run_test(size=size) as pilot:

@@ -6,10 +6,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specchat.engine import SamplingParams
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.layers import Decoder
 from specchat.engine.metrics import Stats, predicted_speedup
+from specchat.engine.sampling import SamplingParams
 from specchat.tune.search import Costs, matches, reference, replay, tune_model
 from helpers import run
 

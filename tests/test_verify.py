@@ -31,13 +31,15 @@ from helpers import (
     tiny_llama,
     tiny_model_dir,
 )
-from specchat.engine import Controls, SamplingParams, TargetState
 from specchat.engine.acceptance import LenientRule
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter
 from specchat.engine.drafters.base import Proposal
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.loop import Controls
+from specchat.engine.sampling import SamplingParams
 from specchat.engine.sampling import logits_to_probs
+from specchat.engine.target import TargetState
 from specchat.verify import (
     DEFAULT_ALPHA,
     DEFAULT_SAMPLES,

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.bench.peers import early_exit_layer, run_peer
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.acceptance import parse_rule
+from specchat.engine.loop import Controls, generate
 from specchat.engine.loop import clock
 from specchat.engine.metrics import Stats, speedup_model
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.machine import hardware_info, memory_mb, reset_peak
 from specchat.verify import run_verify
 

@@ -244,3 +244,10 @@ def quantize(source: Path, dest: Path, file_type: str) -> None:
     status = lib.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params))
     if status != 0:
         raise EngineError(f"llama.cpp could not quantise {source.name} to {file_type} (status {status})")
+
+
+def target_state(model, runner: str = "auto") -> TargetState:
+    """The TargetState for `model`: llama.cpp's for a GGUF model it loaded (engine/llamacpp.py), else torch's."""
+    if getattr(model, "engine", "torch") == "llama.cpp":
+        return LlamaTargetState(model)
+    return TargetState(model, runner)

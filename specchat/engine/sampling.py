@@ -3,29 +3,10 @@ draft sampled from, or a p without the same warpers, silently biases the output)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 disables
-    top_p: float = 1.0  # 1 disables
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from specchat.engine.sampling_params import SamplingParams  # noqa: F401 (re-exported: most callers import it from here)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

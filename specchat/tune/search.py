@@ -32,12 +32,14 @@ from typing import Callable
 
 import torch
 
-from specchat.engine import Controls, SamplingParams, TargetState, generate
 from specchat.engine.cache import crop_to
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.layers import layer_runner
 from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.loop import Controls, generate
 from specchat.engine.metrics import Stats, predicted_speedup, speedup_model
+from specchat.engine.sampling import SamplingParams
+from specchat.engine.target import TargetState
 from specchat.modes import TUNABLE
 
 CALIBRATION = [

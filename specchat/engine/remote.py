@@ -1,0 +1,359 @@
+"""A serving engine as the target: llama-server or vLLM over HTTP (OpenAI-compatible streaming), its
+speculation reconstructed from the step information it streams. No torch: this is the whole engine on this path.
+
+What a server tells a client, and so all this module knows (docs/ARCHITECTURE.md, *Remote engines*):
+- llama-server, with `timings_per_token`: every chunk carries the running `timings.predicted_n` (tokens so far),
+  `draft_n` (draft tokens proposed) and `draft_n_accepted`. Its counters move when a verify step's first token
+  is sent; the step's tokens follow one chunk each (a token that ends inside a multi-byte character arrives with
+  the next one). So a jump of d drafted and a accepted means the next a + 1 tokens are one step: a accepted,
+  then a replacement if a < d or a bonus if a = d. A token that moves no counter is a plain target step.
+- Neither engine sends the rejected drafts, p or q, nor token ids on the chat endpoint: the events say so
+  (id -1, p and q None) and the screen says the server does not send them; nothing is invented.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from specchat.engine.events import RoundRecord, TokenEvent
+
+API_KEY_ENV = "SPECCHAT_API_KEY"  # sent as a bearer token when set; never printed, logged or exported
+CONNECT_TIMEOUT_S = 10.0
+UNKNOWN_ID = -1  # the chat endpoint sends text, not token ids
+
+
+class RemoteError(Exception):
+    """One line for the user: what failed, where, and what the server said."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """One serving configuration: an endpoint and what it reported about itself."""
+
+    name: str  # the configuration's name in the chat (NAME=URL, else the engine's)
+    url: str  # base URL, without /v1 and without a trailing slash
+    engine: str  # "llama-server" or "vllm"
+    model: str  # the model as the server names it
+    speculative: str | None  # the server's speculative method ("draft", "ngram-simple", ...); None: it does not speculate
+    version: str = ""  # the engine's build or version string
+
+    @property
+    def label(self) -> str:
+        spec = self.speculative or "no speculation"
+        return f"{self.engine} {self.model} ({spec})"
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def _headers() -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def _open(url: str, body: dict | None = None, *, timeout: float):
+    """An HTTP response (TLS verified), or RemoteError with the server's own message."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers=_headers(), method="POST" if data is not None else "GET")
+    try:
+        return urllib.request.urlopen(request, timeout=timeout, context=ssl.create_default_context())
+    except urllib.error.HTTPError as e:
+        raise RemoteError(f"{url}: HTTP {e.code} {e.reason}{_server_message(e)}") from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            raise RemoteError(f"{url}: no answer within {timeout:g} s") from None
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise RemoteError(f"cannot reach {url}: {text}") from None
+    except (socket.timeout, TimeoutError):
+        raise RemoteError(f"{url}: no answer within {timeout:g} s") from None
+    except (ConnectionError, OSError) as e:
+        raise RemoteError(f"cannot reach {url}: {e.strerror or e}") from None
+
+
+def _server_message(e: urllib.error.HTTPError) -> str:
+    try:
+        body = e.read(4096).decode(errors="replace")
+    except OSError:
+        return ""
+    try:
+        error = json.loads(body).get("error", body)
+        message = error.get("message", error) if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        message = body
+    message = " ".join(str(message).split())[:300]
+    return f": {message}" if message else ""
+
+
+def _get_json(url: str, timeout: float) -> dict | None:
+    """GET url as JSON; None when the server answers 404 (an endpoint this engine does not have)."""
+    try:
+        with _open(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except RemoteError as e:
+        if "HTTP 404" in str(e):
+            return None
+        raise
+    except ValueError:
+        return None
+
+
+def connect(url: str, name: str | None = None, *, timeout: float = CONNECT_TIMEOUT_S) -> Server:
+    """Ask the endpoint what it is: llama-server answers /props, vLLM /version; both /v1/models."""
+    base = url.rstrip("/").removesuffix("/v1")
+    if not base.startswith(("http://", "https://")):
+        raise RemoteError(f"--server {url}: not an http:// or https:// URL")
+    props = _get_json(f"{base}/props", timeout)
+    if props is not None and "default_generation_settings" in props:
+        params = props["default_generation_settings"].get("params", {})
+        types = params.get("speculative.types") or "none"
+        model = os.path.basename(props.get("model_path") or "") or props.get("model_alias") or _first_model(base, timeout)
+        spec = None if types in ("none", "") else types
+        return Server(name or "server", base, "llama-server", model, spec, str(props.get("build_info", "")))
+    version = _get_json(f"{base}/version", timeout)
+    if version is not None and "version" in version:
+        # vLLM fixes its speculative method at start and reports it to a client nowhere but in its metrics and in
+        # each reply's per-request metrics: "unknown" until a reply says
+        return Server(name or "vllm", base, "vllm", _first_model(base, timeout), "unknown", str(version["version"]))
+    raise RemoteError(f"{base} answers, but not as llama-server (/props) or vLLM (/version): is this the right URL?")
+
+
+def _first_model(base: str, timeout: float) -> str:
+    models = _get_json(f"{base}/v1/models", timeout) or {}
+    data = models.get("data") or [{}]
+    return str(data[0].get("id", "unknown"))
+
+
+# ---------------------------------------------------------------- streaming
+
+
+@dataclass(frozen=True)
+class Request:
+    messages: list[dict]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None = None
+    n_max: int | None = None  # llama-server: draft at most this many per step (0: no drafting); None: the server's
+
+    def body(self, server: Server) -> dict:
+        body = {
+            "model": server.model, "messages": self.messages, "stream": True, "max_tokens": self.max_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "stream_options": {"include_usage": True},
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if server.engine == "llama-server":
+            # only the samplers specchat shows: llama-server's chain also has min-p, penalties... off by default here
+            body.update({"timings_per_token": True, "top_k": self.top_k, "min_p": 0.0})
+            if self.n_max is not None:
+                body["speculative.n_max"] = self.n_max
+                body["speculative.n_min"] = 0
+        elif self.top_k:
+            body["top_k"] = self.top_k
+        return body
+
+
+def stream_chunks(server: Server, request: Request, *, timeout: float) -> Iterator[tuple[float, dict]]:
+    """(arrival time, chunk) for every server-sent event until [DONE]; RemoteError if the stream breaks first."""
+    response = _open(f"{server.url}/v1/chat/completions", request.body(server), timeout=timeout)
+    done = False
+    try:
+        while True:
+            try:
+                line = response.readline()
+            except (socket.timeout, TimeoutError):
+                raise RemoteError(f"{server.url}: the stream stalled (nothing for {timeout:g} s)") from None
+            except (ConnectionError, OSError) as e:
+                raise RemoteError(f"{server.url}: the stream broke: {e}") from None
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise RemoteError(f"{server.url}: not a JSON event: {data[:80]!r}") from None
+            if "error" in chunk:  # an error reported inside the stream
+                error = chunk["error"]
+                raise RemoteError(f"{server.url}: {error.get('message', error) if isinstance(error, dict) else error}")
+            yield time.perf_counter(), chunk
+    finally:
+        response.close()
+    if not done:
+        raise RemoteError(f"{server.url}: the stream ended before the reply did (the server closed the connection)")
+
+
+# ---------------------------------------------------------------- llama-server: the steps behind the counters
+
+
+@dataclass
+class _Step:
+    drafted: int
+    accepted: int
+    tokens: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:  # the tokens it emits: the accepted drafts and one replacement or bonus
+        return self.accepted + 1
+
+    def kind(self, i: int) -> str:
+        if self.drafted == 0:
+            return "target"
+        if i < self.accepted:
+            return "accepted"
+        return "bonus" if self.accepted == self.drafted else "resampled"
+
+
+@dataclass
+class Reconciliation:
+    """The reconstructed steps against the server's own final counters (they must add up)."""
+
+    tokens: int
+    drafted: int
+    accepted: int
+    server_tokens: int | None
+    server_drafted: int | None
+    server_accepted: int | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class LlamaServerSteps:
+    """Turns llama-server's running counters into RoundRecords, one per target step, as the tokens arrive."""
+
+    def __init__(self, mode: str, k: int | None, t_start: float) -> None:
+        self.mode, self.k = mode, k
+        self.t_last = t_start  # the end of the previous step (the request's start for the first)
+        self.t_start = t_start
+        self.n = self.drafted = self.accepted = 0  # the counters as last seen
+        self.current: _Step | None = None  # the verify step whose tokens are arriving
+        self.queued: _Step | None = None  # a step whose counters moved before the current one's tokens all came
+        self.index = 0
+        self.steps: list[_Step] = []
+        self.problems: list[str] = []
+        self.final: dict | None = None
+        self.usage: dict | None = None
+
+    def feed(self, t: float, chunk: dict) -> list[RoundRecord]:
+        """One chunk in; the steps it completed out."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        timings = chunk.get("timings")
+        choice = (chunk.get("choices") or [{}])[0]
+        text = (choice.get("delta") or {}).get("content") or ""
+        if choice.get("finish_reason"):
+            self.final = {"finish_reason": choice["finish_reason"], **(timings or {})}
+            return self._flush_current(t, final=True)
+        if timings is None:
+            if text:
+                self.problems.append("a chunk with text but no timings (is timings_per_token supported?)")
+            return []
+        n, drafted, accepted = timings.get("predicted_n", 0), timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
+        if drafted > self.drafted:
+            self.queued = _Step(drafted - self.drafted, accepted - self.accepted)
+        elif accepted != self.accepted:
+            self.problems.append(f"draft_n_accepted moved ({self.accepted} -> {accepted}) without draft_n")
+        self.drafted, self.accepted = drafted, accepted
+        new = n - self.n
+        self.n = n
+        out: list[RoundRecord] = []
+        for i in range(new):
+            piece = text if i == new - 1 else ""  # the chunk's text goes with its last token
+            if self.current is None or len(self.current.tokens) >= self.current.size:
+                out += self._flush_current(t)
+                self.current, self.queued = (self.queued, None) if self.queued is not None else (_Step(0, 0), None)
+            step = self.current
+            step.tokens.append(self._event(step, len(step.tokens), piece))
+            if step.drafted == 0 or len(step.tokens) == step.size:
+                out += self._flush_current(t)
+        return out
+
+    def _event(self, step: _Step, i: int, text: str) -> TokenEvent:
+        kind = step.kind(i)
+        return TokenEvent(id=UNKNOWN_ID, text=text, kind=kind, round=self.index, position=i + 1,
+                          p=math.nan, q=None, accept_prob=None)
+
+    def _flush_current(self, t: float, final: bool = False) -> list[RoundRecord]:
+        step, self.current = self.current, None
+        if step is None or not step.tokens:
+            return []
+        if len(step.tokens) < step.size and not final:
+            self.problems.append(f"step {self.index}: {len(step.tokens)} tokens where {step.accepted} accepted drafts promise {step.size}")
+        first = self.index == 0
+        record = RoundRecord(
+            index=self.index, mode=self.mode, draft_len=self.k if self.k is not None else step.drafted,
+            drafted=step.drafted, accepted=step.accepted, draft_calls=0, draft_s=0.0,
+            verify_s=0.0 if first else t - self.t_last, wall_s=0.0 if first else t - self.t_last,
+            prefill_s=t - self.t_start if first else 0.0, tokens=step.tokens,
+        )
+        self.steps.append(step)
+        self.t_last = t
+        self.index += 1
+        return [record]
+
+    def finish(self, t: float) -> list[RoundRecord]:
+        return self._flush_current(t, final=True)
+
+    def reconciliation(self) -> Reconciliation:
+        tokens = sum(len(s.tokens) for s in self.steps)
+        drafted = sum(s.drafted for s in self.steps)
+        accepted = sum(s.accepted for s in self.steps)
+        final = self.final or {}
+        usage_tokens = (self.usage or {}).get("completion_tokens")
+        server_tokens = final.get("predicted_n", usage_tokens)
+        rec = Reconciliation(tokens, drafted, accepted, server_tokens, final.get("draft_n", 0 if final else None),
+                             final.get("draft_n_accepted", 0 if final else None), list(self.problems))
+        if not final:
+            rec.problems.append("no final chunk with the server's counters")
+        for name, ours, theirs in (("tokens", tokens, server_tokens), ("drafted", drafted, rec.server_drafted),
+                                   ("accepted", accepted, rec.server_accepted), ("tokens (usage)", tokens, usage_tokens)):
+            if theirs is not None and ours != theirs:
+                rec.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
+        return rec
+
+
+def generate(server: Server, request: Request, *, mode: str, k: int | None, timeout: float,
+             steps_out: list | None = None) -> Iterator[RoundRecord]:
+    """One reply from the server as RoundRecords, as the local engines yield them. `steps_out` receives the
+    reconstruction (its Reconciliation says whether it matched the server's counters)."""
+    if server.engine != "llama-server":
+        raise RemoteError(f"{server.url}: reading {server.engine}'s speculation is not supported yet")
+    t0 = time.perf_counter()
+    steps = LlamaServerSteps(mode, k, t0)
+    if steps_out is not None:
+        steps_out.append(steps)
+    t, last = t0, None
+    for t, chunk in stream_chunks(server, request, timeout=timeout):
+        for last in steps.feed(t, chunk):
+            yield last
+    for last in steps.finish(t):
+        yield last
+    if last is not None:  # known only now: the finish reason comes after the last token
+        last.stop_reason = _stop_reason(steps.final)
+
+
+def _stop_reason(final: dict | None) -> str | None:
+    reason = (final or {}).get("finish_reason")
+    return {"stop": "eos", "length": "max_new_tokens"}.get(reason, reason)
