@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import logging
 import random
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from specchat import models, store, threads
+from specchat.conversation import Conversation, PromptTooLong, Turn
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
@@ -23,70 +19,14 @@ from specchat.engine.drafters.head import fingerprint
 from specchat.engine.events import RoundRecord
 from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
 from specchat.engine.loop import Controls, generate
-from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 from specchat.models import LoadedModel
-from specchat.modes import TUNABLE
+from specchat.modes import MODES, TUNABLE
 
 log = logging.getLogger("specchat")
 
-RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
-BASELINE_ROUNDS = 16  # the latest plain rounds the baseline is measured from
 BASELINE_EVERY = 32  # measure_baseline(): one plain round after this many rounds of another mode
-
-
-class PromptTooLong(ValueError):
-    pass
-
-
-@dataclass
-class Turn:
-    user: str
-    prompt_tokens: int
-    reply: str = ""
-    reply_ids: list[int] = field(default_factory=list)
-    rounds: list[RoundRecord] = field(default_factory=list)
-    stop_reason: str | None = None  # "eos", "max_new_tokens", "context", or None when stopped early
-    sampling: list[SamplingParams] = field(default_factory=list)  # per round: the settings in force when it ended
-    stats: Stats = field(default_factory=Stats)  # this turn's rounds, every mode together
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A consistent copy of what the front ends show (panel, export, summaries), taken under the session's lock."""
-
-    mode: str
-    k: int
-    sampling: SamplingParams
-    rule: str  # "exact" or "approx:<lambda>"
-    exact: bool  # the current rule's
-    stats: dict[str, Stats]  # per mode, this session
-    reply: Stats  # the latest turn
-    recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
-    baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
-    max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
-    choice: str | None = None  # mode auto: the mode of its latest round
-    why: str | None = None  # and why (the rates it compared)
-
-    @property
-    def total(self) -> Stats:
-        total = Stats()
-        for s in self.stats.values():
-            total = total.merge(s)
-        return total
-
-    @property
-    def plain_step_s(self) -> float | None:
-        """The recent baseline's plain step; without one (a snapshot built by hand), mode off's over the session."""
-        if self.baseline is not None:
-            return self.baseline.step_s
-        plain = self.stats.get("off")
-        return plain.plain_step_s if plain else None
-
-    def speedup(self, mode: str) -> SpeedupModel | None:
-        """The predicted speedup of `mode` over plain decoding, from this session's measurements."""
-        return speedup_model(self.stats.get(mode), self.plain_step_s)
 
 
 def drafter_options(model, mode: str, options: dict) -> dict:
@@ -120,7 +60,7 @@ def drafter_options(model, mode: str, options: dict) -> dict:
     return out
 
 
-class Session:
+class Session(Conversation):
     """Owns the target state (whose KV cache is reused across turns) and one drafter per mode used."""
 
     def __init__(
@@ -140,21 +80,14 @@ class Session:
         self.state = target_state(target.model)
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.generator = torch.Generator(device=self.state.device).manual_seed(self.seed)
-        self.max_new_tokens = max_new_tokens
+        super().__init__(max_new_tokens)
         self._drafters: dict[str, Drafter] = {}
         self.controls = Controls(self.drafter(mode), k=k, sampling=sampling)
-        self.messages: list[dict] = []
         self._history: tuple[list[dict], list[int]] | None = None  # messages so far and the exact ids they ran as
-        self.turns: list[Turn] = []
-        self.stats: dict[str, Stats] = {}  # per mode (and per turn in Turn.stats); the total is their sum
-        # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
-        self.lock = threading.RLock()
+        self.modes = MODES
         self.eos_ids = target.eos_ids
         self.device_label, self.dtype_label = str(self.state.device), target.dtype_name
         self.engine_label = target.engine  # "torch" or "llama.cpp"
-        self.notices: list[str] = []  # said once to the user at start (the chat shows them as warnings)
-
-    _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
 
     # -- modes
     def measure_baseline(self, every: int = BASELINE_EVERY) -> None:
@@ -191,10 +124,6 @@ class Session:
     def set_mode(self, mode: str) -> None:
         """Takes effect at the next round, also in the middle of a reply."""
         self.controls.drafter = self.drafter(mode)
-
-    @property
-    def mode(self) -> str:
-        return self.controls.mode
 
     # -- prompts
     def chat_prompt(self, messages: list[dict]) -> list[int]:
@@ -233,26 +162,6 @@ class Session:
         same = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
         return ids if same else None
 
-    @property
-    def system(self) -> str | None:
-        """The system message that opens the conversation, if any."""
-        first = self.messages[0] if self.messages else None
-        return first["content"] if first and first["role"] == "system" else None
-
-    def set_system(self, text: str | None) -> None:
-        """Put `text` (None or "": none) at the start of the conversation. It changes the prompt's prefix, so the
-        next turn re-tokenises the conversation and the cache is reused only up to the first changed token."""
-        with self.lock:
-            rest = self.messages[1:] if self.system is not None else self.messages
-            self.messages = ([{"role": "system", "content": text}] if text else []) + list(rest)
-            self._history = None
-
-    def restore(self, messages: list[dict]) -> None:
-        """Continue a saved conversation: its messages are the prefix of the next turn (encoded then, in full)."""
-        with self.lock:
-            self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-            self._history = None
-
     def check_fits(self, prompt: list[int]) -> None:
         limit = self.state.context_len
         if limit is not None and len(prompt) >= limit:
@@ -268,7 +177,7 @@ class Session:
         turn = Turn(user=text, prompt_tokens=len(prompt))
         self.turns.append(turn)
         try:
-            yield from self._run(prompt, turn)
+            yield from self._record(self._rounds(prompt), turn)
         finally:
             self.messages.append({"role": "assistant", "content": turn.reply})
             self._history = (list(self.messages), prompt + turn.reply_ids)
@@ -278,50 +187,10 @@ class Session:
         self.check_fits(prompt)
         turn = Turn(user="", prompt_tokens=len(prompt))
         self.turns.append(turn)
-        yield from self._run(prompt, turn)
+        yield from self._record(self._rounds(prompt), turn)
 
-    def _run(self, prompt: list[int], turn: Turn) -> Iterator[RoundRecord]:
-        for record in self._rounds(prompt):
-            with self.lock:
-                turn.rounds.append(record)
-                turn.sampling.append(self.controls.sampling)
-                turn.reply_ids += [t.id for t in record.tokens]
-                turn.reply += "".join(t.text for t in record.tokens)
-                turn.stop_reason = record.stop_reason
-                turn.stats.add(record)
-                self.stats.setdefault(record.mode, Stats()).add(record)
-                if record.mode == "off" and record.index > 0:  # round 0's token came with the prefill: no step to time
-                    if self._plain is None:
-                        self._plain = deque(maxlen=BASELINE_ROUNDS)
-                    self._plain.append((time.monotonic(), record))
-            threads.adapt()  # here, in the thread that runs the forwards
-            yield record
-
-    # -- what the front ends show
-    @property
-    def total(self) -> Stats:
-        """Every mode together."""
-        return self.snapshot().total
-
-    def snapshot(self) -> Snapshot:
-        """Copies of the statistics and settings, consistent with each other (callable from any thread)."""
-        with self.lock:
-            controls = self.controls
-            latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
-            return Snapshot(
-                mode=controls.mode,
-                k=controls.k,
-                sampling=controls.sampling,
-                rule=controls.rule.name,
-                exact=controls.rule.exact,
-                stats={mode: s.copy() for mode, s in self.stats.items()},
-                reply=self.turns[-1].stats.copy() if self.turns else Stats(),
-                recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
-                baseline=Baseline.of(self._plain or ()),
-                max_draft=getattr(controls.drafter, "max_draft", None),
-                choice=getattr(controls.drafter, "choice", None),
-                why=getattr(controls.drafter, "why", None),
-            )
+    def _after_round(self) -> None:
+        threads.adapt()  # here, in the thread that runs the forwards
 
     def _rounds(self, prompt: list[int]) -> Iterator[RoundRecord]:
         """The engine's rounds for one generation (a test double replaces only this)."""

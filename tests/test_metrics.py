@@ -7,7 +7,7 @@ from specchat.engine.events import RoundRecord
 from specchat.engine.metrics import Stats, expected_tokens_per_round, predicted_speedup, speedup_model
 from specchat.engine.sampling import SamplingParams
 from specchat.export import mode_summary
-from specchat.session import Snapshot
+from specchat.conversation import Snapshot
 from specchat.tui.widgets.panel import estimate_speedup
 from specchat.tune.search import measured_candidate
 

@@ -44,7 +44,7 @@ def user_errors():
         from specchat.engine.drafters import ModeUnavailable
         from specchat.engine.llamacpp import EngineError
         from specchat.models import ModelError
-        from specchat.session import PromptTooLong
+        from specchat.conversation import PromptTooLong
 
         if isinstance(e, (ModelError, ModeUnavailable, PromptTooLong, EngineError)):
             raise UserError(str(e)) from None

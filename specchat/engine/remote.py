@@ -117,17 +117,30 @@ def connect(url: str, name: str | None = None, *, timeout: float = CONNECT_TIMEO
         raise RemoteError(f"--server {url}: not an http:// or https:// URL")
     props = _get_json(f"{base}/props", timeout)
     if props is not None and "default_generation_settings" in props:
-        params = props["default_generation_settings"].get("params", {})
-        types = params.get("speculative.types") or "none"
         model = os.path.basename(props.get("model_path") or "") or props.get("model_alias") or _first_model(base, timeout)
-        spec = None if types in ("none", "") else types
-        return Server(name or "server", base, "llama-server", model, spec, str(props.get("build_info", "")))
+        return Server(name or "llama-server", base, "llama-server", model, _llama_server_speculation(base, timeout),
+                      str(props.get("build_info", "")))
     version = _get_json(f"{base}/version", timeout)
     if version is not None and "version" in version:
         # vLLM fixes its speculative method at start and reports it to a client nowhere but in its metrics and in
         # each reply's per-request metrics: "unknown" until a reply says
         return Server(name or "vllm", base, "vllm", _first_model(base, timeout), "unknown", str(version["version"]))
     raise RemoteError(f"{base} answers, but not as llama-server (/props) or vLLM (/version): is this the right URL?")
+
+
+def _llama_server_speculation(base: str, timeout: float) -> str | None:
+    """The speculative types of llama-server's slots ("draft-simple", "ngram-mod", ...), None if it does not
+    speculate, "unknown" if /slots is off (--no-slots): /props does not say."""
+    try:
+        slots = _get_json(f"{base}/slots", timeout)
+    except RemoteError:
+        slots = None
+    if not isinstance(slots, list) or not slots or "speculative" not in slots[0]:
+        return "unknown"
+    if not slots[0]["speculative"]:
+        return None
+    types = [t for t in str(slots[0].get("params", {}).get("speculative.types", "")).split(",") if t and t != "none"]
+    return ",".join(types) or "unknown"
 
 
 def _first_model(base: str, timeout: float) -> str:
@@ -253,25 +266,29 @@ class LlamaServerSteps:
         self.index = 0
         self.steps: list[_Step] = []
         self.problems: list[str] = []
-        self.final: dict | None = None
+        self.final: dict | None = None  # the latest counters (the last chunk's are the server's totals)
         self.usage: dict | None = None
+        self.finish_reason: str | None = None
 
     def feed(self, t: float, chunk: dict) -> list[RoundRecord]:
-        """One chunk in; the steps it completed out."""
+        """One chunk in; the steps it completed out. The finish reason comes in a chunk of its own, and the
+        final counters (with a last token that has no text, such as the end token) in the usage chunk after it."""
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        timings = chunk.get("timings")
         choice = (chunk.get("choices") or [{}])[0]
         text = (choice.get("delta") or {}).get("content") or ""
         if choice.get("finish_reason"):
-            self.final = {"finish_reason": choice["finish_reason"], **(timings or {})}
-            return self._flush_current(t, final=True)
+            self.finish_reason = choice["finish_reason"]
+        timings = chunk.get("timings")
         if timings is None:
             if text:
-                self.problems.append("a chunk with text but no timings (is timings_per_token supported?)")
+                self.problems.append("a chunk with text but no timings (does this llama-server know timings_per_token?)")
             return []
+        self.final = timings
         n, drafted, accepted = timings.get("predicted_n", 0), timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
         if drafted > self.drafted:
+            if self.queued is not None:
+                self.problems.append(f"two steps began before the tokens of the first arrived (at token {self.n})")
             self.queued = _Step(drafted - self.drafted, accepted - self.accepted)
         elif accepted != self.accepted:
             self.problems.append(f"draft_n_accepted moved ({self.accepted} -> {accepted}) without draft_n")
@@ -299,7 +316,7 @@ class LlamaServerSteps:
         step, self.current = self.current, None
         if step is None or not step.tokens:
             return []
-        if len(step.tokens) < step.size and not final:
+        if len(step.tokens) < step.size and not final:  # only the last step may end early (at the end token)
             self.problems.append(f"step {self.index}: {len(step.tokens)} tokens where {step.accepted} accepted drafts promise {step.size}")
         first = self.index == 0
         record = RoundRecord(
@@ -314,6 +331,9 @@ class LlamaServerSteps:
         return [record]
 
     def finish(self, t: float) -> list[RoundRecord]:
+        """The stream ended: the last step, however many of its tokens came."""
+        if self.queued is not None:
+            self.problems.append("a step's counters moved but none of its tokens came")
         return self._flush_current(t, final=True)
 
     def reconciliation(self) -> Reconciliation:
@@ -322,13 +342,13 @@ class LlamaServerSteps:
         accepted = sum(s.accepted for s in self.steps)
         final = self.final or {}
         usage_tokens = (self.usage or {}).get("completion_tokens")
-        server_tokens = final.get("predicted_n", usage_tokens)
-        rec = Reconciliation(tokens, drafted, accepted, server_tokens, final.get("draft_n", 0 if final else None),
-                             final.get("draft_n_accepted", 0 if final else None), list(self.problems))
+        rec = Reconciliation(tokens, drafted, accepted, final.get("predicted_n", usage_tokens),
+                             final.get("draft_n", 0) if final else None, final.get("draft_n_accepted", 0) if final else None,
+                             list(self.problems))
         if not final:
-            rec.problems.append("no final chunk with the server's counters")
-        for name, ours, theirs in (("tokens", tokens, server_tokens), ("drafted", drafted, rec.server_drafted),
-                                   ("accepted", accepted, rec.server_accepted), ("tokens (usage)", tokens, usage_tokens)):
+            rec.problems.append("no chunk carried the server's counters")
+        for name, ours, theirs in (("tokens", tokens, rec.server_tokens), ("drafted", drafted, rec.server_drafted),
+                                   ("accepted", accepted, rec.server_accepted), ("completion_tokens", tokens, usage_tokens)):
             if theirs is not None and ours != theirs:
                 rec.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
         return rec
@@ -350,10 +370,5 @@ def generate(server: Server, request: Request, *, mode: str, k: int | None, time
             yield last
     for last in steps.finish(t):
         yield last
-    if last is not None:  # known only now: the finish reason comes after the last token
-        last.stop_reason = _stop_reason(steps.final)
-
-
-def _stop_reason(final: dict | None) -> str | None:
-    reason = (final or {}).get("finish_reason")
-    return {"stop": "eos", "length": "max_new_tokens"}.get(reason, reason)
+    if last is not None:  # known only now: the finish reason may come after the last token
+        last.stop_reason = {"stop": "eos", "length": "max_new_tokens"}.get(steps.finish_reason, steps.finish_reason)

@@ -27,7 +27,8 @@ from specchat.engine.drafters import TORCH_ONLY, ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
 from specchat.history import ConversationLog, conversations, conversations_dir
 from specchat.modes import MODES
-from specchat.session import PromptTooLong, Session
+from specchat.conversation import PromptTooLong
+from specchat.session import Session
 from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
 from specchat.tui.keys import ACTION_KEYS, NOT_IN_FOOTER, key_label, mode_keys

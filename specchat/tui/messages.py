@@ -9,7 +9,7 @@ from __future__ import annotations
 from textual.message import Message
 
 from specchat.engine.events import RoundRecord
-from specchat.session import Snapshot
+from specchat.conversation import Snapshot
 
 
 class RoundDone(Message):

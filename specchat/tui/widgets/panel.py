@@ -13,7 +13,7 @@ from specchat.engine.metrics import Stats, measured_speedup
 from specchat.fmt import fixed as fmt
 from specchat.fmt import pct
 from specchat.modes import MODES
-from specchat.session import Snapshot
+from specchat.conversation import Snapshot
 from specchat.tui.keys import key_label, mode_keys
 
 MODE_KEYS = {mode: key_label(key) for mode, key in mode_keys(MODES).items()}  # as shown: "F2"

@@ -1,0 +1,170 @@
+"""What every session shares, local (session.py) or on a serving engine (remote_session.py): the conversation,
+its turns and their statistics, and the snapshot the front ends read. No torch: a remote session runs without it."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from specchat.engine.events import RoundRecord
+from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
+from specchat.engine.sampling_params import SamplingParams
+
+RECENT_ROUNDS = 200  # drafting rounds kept in a snapshot for the panel's sparkline
+BASELINE_ROUNDS = 16  # the latest plain rounds the baseline is measured from
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class Turn:
+    user: str
+    prompt_tokens: int
+    reply: str = ""
+    reply_ids: list[int] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    stop_reason: str | None = None  # "eos", "max_new_tokens", "context", or None when stopped early
+    sampling: list[SamplingParams] = field(default_factory=list)  # per round: the settings in force when it ended
+    stats: Stats = field(default_factory=Stats)  # this turn's rounds, every mode together
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent copy of what the front ends show (panel, export, summaries), taken under the session's lock."""
+
+    mode: str
+    k: int
+    sampling: SamplingParams
+    rule: str  # "exact" or "approx:<lambda>"
+    exact: bool  # the current rule's
+    stats: dict[str, Stats]  # per mode, this session
+    reply: Stats  # the latest turn
+    recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
+    baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
+    max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
+    choice: str | None = None  # mode auto: the mode of its latest round
+    why: str | None = None  # and why (the rates it compared)
+    server: str | None = None  # a remote session: the engine, model and speculative method the server reported
+    warnings: tuple[str, ...] = ()  # a remote session: where the reconstructed steps did not add up to the server's counters
+
+    @property
+    def total(self) -> Stats:
+        total = Stats()
+        for s in self.stats.values():
+            total = total.merge(s)
+        return total
+
+    @property
+    def plain_step_s(self) -> float | None:
+        """The recent baseline's plain step; without one (a snapshot built by hand), mode off's over the session."""
+        if self.baseline is not None:
+            return self.baseline.step_s
+        plain = self.stats.get("off")
+        return plain.plain_step_s if plain else None
+
+    def speedup(self, mode: str) -> SpeedupModel | None:
+        """The predicted speedup of `mode` over plain decoding, from this session's measurements."""
+        return speedup_model(self.stats.get(mode), self.plain_step_s)
+
+
+class Conversation:
+    """The messages so far, every turn with its rounds, statistics per mode, and a lock that keeps them consistent
+    for the threads that read them. A subclass sets `controls` (mode, k, sampling, rule, drafter) and produces
+    the rounds."""
+
+    controls = None
+
+    def __init__(self, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.messages: list[dict] = []
+        self._history = None  # the subclass's record of what the conversation ran as (None: start afresh)
+        self.turns: list[Turn] = []
+        self.stats: dict[str, Stats] = {}  # per mode (and per turn in Turn.stats); the total is their sum
+        # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
+        self.lock = threading.RLock()
+        self.notices: list[str] = []  # said once to the user at start (the chat shows them as warnings)
+
+    _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
+
+    @property
+    def mode(self) -> str:
+        return self.controls.mode
+
+    @property
+    def system(self) -> str | None:
+        """The system message that opens the conversation, if any."""
+        first = self.messages[0] if self.messages else None
+        return first["content"] if first and first["role"] == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        """Put `text` (None or "": none) at the start of the conversation. It changes the prompt's prefix, so the
+        next turn re-tokenises the conversation and the cache is reused only up to the first changed token."""
+        with self.lock:
+            rest = self.messages[1:] if self.system is not None else self.messages
+            self.messages = ([{"role": "system", "content": text}] if text else []) + list(rest)
+            self._history = None
+
+    def restore(self, messages: list[dict]) -> None:
+        """Continue a saved conversation: its messages are the prefix of the next turn (encoded then, in full)."""
+        with self.lock:
+            self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            self._history = None
+
+
+    # -- generation
+    def _record(self, rounds: Iterator[RoundRecord], turn: Turn) -> Iterator[RoundRecord]:
+        """Record each round in `turn` and the session's statistics as it passes to the caller."""
+        for record in rounds:
+            with self.lock:
+                turn.rounds.append(record)
+                turn.sampling.append(self.controls.sampling)
+                turn.reply_ids += [t.id for t in record.tokens]
+                turn.reply += "".join(t.text for t in record.tokens)
+                turn.stop_reason = record.stop_reason
+                turn.stats.add(record)
+                self.stats.setdefault(record.mode, Stats()).add(record)
+                if record.mode == "off" and record.index > 0:  # round 0's token came with the prefill: no step to time
+                    if self._plain is None:
+                        self._plain = deque(maxlen=BASELINE_ROUNDS)
+                    self._plain.append((time.monotonic(), record))
+            self._after_round()
+            yield record
+
+    # -- what the front ends show
+    @property
+    def total(self) -> Stats:
+        """Every mode together."""
+        return self.snapshot().total
+
+    def snapshot(self) -> Snapshot:
+        """Copies of the statistics and settings, consistent with each other (callable from any thread)."""
+        with self.lock:
+            controls = self.controls
+            latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
+            return Snapshot(
+                mode=controls.mode,
+                k=controls.k,
+                sampling=controls.sampling,
+                rule=controls.rule.name,
+                exact=controls.rule.exact,
+                stats={mode: s.copy() for mode, s in self.stats.items()},
+                reply=self.turns[-1].stats.copy() if self.turns else Stats(),
+                recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
+                baseline=Baseline.of(self._plain or ()),
+                max_draft=getattr(controls.drafter, "max_draft", None),
+                choice=getattr(controls.drafter, "choice", None),
+                why=getattr(controls.drafter, "why", None),
+                **self._snapshot_extra(),
+            )
+
+    def _after_round(self) -> None:
+        """Called after each round, in the thread that produced it."""
+
+    def _snapshot_extra(self) -> dict:
+        return {}
