@@ -9,7 +9,7 @@ from collections import Counter
 import click
 
 from specchat.cli.options import (INTERRUPTED, UserError, config_summary, generation_options, load_session, model_options,
-                                  system_option, user_errors)
+                                  server_options, system_option, user_errors)
 from specchat.fmt import num
 
 KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
@@ -26,6 +26,7 @@ KIND_LEGEND = {
 @click.option("--raw", is_flag=True, help="Tokenise the prompt as it is, without the chat template.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @model_options
+@server_options
 @generation_options
 @system_option
 def generate(prompt, raw, fmt, **opts):
@@ -35,7 +36,7 @@ def generate(prompt, raw, fmt, **opts):
     if raw and opts.get("system"):
         raise UserError("--system needs the chat template: leave out --raw")
     session = load_session(opts, quiet=fmt == "json")
-    interrupted = False
+    interrupted, broken = False, None
     with user_errors():
         ids = session.raw_prompt(prompt) if raw else session.chat_prompt([*session.messages, {"role": "user", "content": prompt}])
         rounds = session.complete(ids)
@@ -52,6 +53,14 @@ def generate(prompt, raw, fmt, **opts):
             interrupted = True
             if fmt != "json":
                 print()
+        except Exception as e:  # a server's stream that broke mid-reply: what came is summarised, then one line
+            from specchat.engine.remote import RemoteError
+
+            if not isinstance(e, RemoteError) or not session.turns:
+                raise
+            broken = e
+            if fmt != "json":
+                print()
     turn = session.turns[-1]
     summary = {
         **config_summary(session),
@@ -63,12 +72,17 @@ def generate(prompt, raw, fmt, **opts):
         "rounds_by_mode": dict(Counter(r.mode for r in turn.rounds).most_common()),  # mode auto runs several
         **turn.stats.summary(),
     }
+    if getattr(session, "servers", None):  # the server's counters against the reconstructed steps
+        summary["reconciled"] = not session.warnings
+        summary["warnings"] = list(session.warnings)
     if fmt == "json":
         print(json.dumps({"type": "summary", **summary}), flush=True)
     else:
         print_summary(summary)
     if interrupted:
         sys.exit(INTERRUPTED)
+    if broken is not None:
+        raise UserError(f"{broken} (the partial reply is above)")
 
 
 def print_stream(rounds) -> None:
@@ -89,6 +103,19 @@ def print_stream(rounds) -> None:
 def summary_lines(s: dict) -> list[list[str]]:
     """The summary as lines of phrases (Rich markup). K only for a drafting mode, the seed only when sampling."""
     sampling = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top-k={s['top_k']} top-p={s['top_p']:g} seed={s['seed']}"
+    if "server" in s:  # a serving engine: what the client measures and the server's counters tell, nothing else
+        k = f" K={s['draft_len']}" if s["draft_len"] is not None and s["mode"] != "off" else ""
+        check = "steps match the server's counters" if s["reconciled"] else "[b red]steps do not match the server's counters[/]"
+        return [
+            [f"[b]{s['mode']}[/b]{k}", f"{s['engine']} {s['server']}", f"model={s['target']}",
+             f"speculation: {s['speculative'] or 'none'}", sampling],
+            [f"tokens {s['new_tokens']} (prompt {s['prompt_tokens']}, stop: {s['stop_reason'] or 'stopped'})",
+             f"{num(s['tokens_per_s'])} tok/s", f"{num(s['ms_per_token'])} ms/token", f"first token {num(s['time_to_first_token_s'])} s",
+             "(measured here)"],
+            [f"acceptance {num(s['acceptance_rate'])}", f"mean accepted length {num(s['mean_accepted_length'])}",
+             f"target calls/token {num(s['target_calls_per_token'])}", f"per-position acceptance {num(s['per_position_acceptance'])}"],
+            [f"from the server's counters: {check}", *s["warnings"]],
+        ]
     return [
         [f"[b]{s['mode']}[/b]" + (f" K={s['draft_len']}" if s["mode"] != "off" else ""), f"target={s['target']}",
          *([f"draft={s['draft']}"] if s["draft"] else []), f"{s['device']}/{s['dtype']} {s['threads']} thread{'s' if s['threads'] != 1 else ''}"

@@ -16,7 +16,7 @@ from specchat.cli.bench import bench
 from specchat.cli.generate import generate
 from specchat.cli.history import history
 from specchat.cli.options import (INTERRUPTED, BadOption, UserError, generation_options, load_session, model_options,
-                                  prepare_process, system_option)
+                                  prepare_process, server_options, system_option)
 from specchat.cli.train_head import train_head
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
@@ -65,6 +65,7 @@ def check_export_path(path: Path) -> None:
 @click.group(cls=SpecchatGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="specchat")
 @model_options
+@server_options
 @generation_options
 @system_option
 @click.option("--continue", "resume", is_flag=True, help="Resume the latest saved conversation (see `specchat history`).")

@@ -41,6 +41,11 @@ def user_errors():
     try:
         yield
     except Exception as e:
+        from specchat.engine.remote import RemoteError
+        from specchat.remote_session import RemoteUnavailable
+
+        if isinstance(e, (RemoteError, RemoteUnavailable)):  # before the local engine's errors, which import torch
+            raise UserError(str(e)) from None
         from specchat.engine.drafters import ModeUnavailable
         from specchat.engine.llamacpp import EngineError
         from specchat.models import ModelError
@@ -139,6 +144,17 @@ def generation_options(f):
     ], f)
 
 
+def server_options(f):
+    """--server (the chat, generate, bench): a serving engine runs the target instead of this machine."""
+    return apply([
+        click.option("--server", "servers", multiple=True, metavar="[NAME=]URL",
+                     help="A llama-server (OpenAI-compatible) to chat with instead of a local model; repeat with NAME=URL "
+                          "for one configuration each (the mode keys switch). API key: $SPECCHAT_API_KEY."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+                     help="--server: seconds to wait for the server's next chunk."),
+    ], f)
+
+
 def system_option(f):
     """--system, for the commands that use the chat template (the chat, generate)."""
     return click.option("--system", metavar="TEXT", default=None, help="A system message at the start of the conversation.")(f)
@@ -208,7 +224,10 @@ def load_models(opts: dict, console):
 
 
 def load_session(opts: dict, *, quiet: bool = False):
-    """Load models with a progress display on stderr and build a Session from the generation options."""
+    """Load models with a progress display on stderr and build a Session from the generation options (or, with
+    --server, a RemoteSession: no model loads here and torch is never imported)."""
+    if opts.get("servers"):
+        return load_remote_session(opts)
     from rich.console import Console
 
     from specchat.engine.acceptance import parse_rule
@@ -254,11 +273,71 @@ def load_session(opts: dict, *, quiet: bool = False):
     return session
 
 
+# what a server runs is the server's: these options would have no effect with --server
+LOCAL_ONLY = {"target": None, "draft": None, "download": False, "device": "auto", "engine": "auto", "dtype": "auto",
+              "device_map": None, "trust_remote_code": False, "threads": None, "adaptive": False, "accept_rule": "exact",
+              "skip_layers": None, "exit_layer": None, "rank": None, "head_file": None, "draft_vocab": None}
+
+
+def parse_servers(specs) -> list[tuple[str | None, str]]:
+    """--server [NAME=]URL values as (name or None, url); names must differ."""
+    out = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep or "://" in name:
+            name, url = None, spec
+        elif not name.strip() or not url.strip():
+            raise BadOption(f"--server {spec}: expected URL or NAME=URL")
+        out.append((name.strip() if name else None, url.strip()))
+    names = [n for n, _ in out if n]
+    if len(set(names)) != len(names):
+        raise BadOption("--server: two configurations with the same name")
+    if len(out) > 1 and len(names) != len(out):
+        raise BadOption("--server: name each of several servers, as NAME=URL")
+    return out
+
+
+def load_remote_session(opts: dict):
+    """--server: ask each endpoint what it is, then a RemoteSession over them."""
+    from specchat.engine.remote import RemoteError, connect
+    from specchat.engine.sampling_params import SamplingParams
+    from specchat.remote_session import RemoteSession
+
+    given = [name for name, default in LOCAL_ONLY.items() if name in opts and opts[name] != default]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise BadOption(f"--server: the server runs the model and its speculation; leave out {flags}")
+    ctx = click.get_current_context(silent=True)
+    for name, flag in (("mode", "--mode"), ("draft_len", "-k")):
+        if ctx is not None and ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT):
+            raise BadOption(f"--server: {flag} is the server's setting (name several configurations with NAME=URL; the "
+                            f"pinned llama-server ignores a request's draft length)")
+    try:
+        servers = [connect(url, name, timeout=min(opts.get("timeout") or 10.0, 10.0)) for name, url in parse_servers(opts["servers"])]
+    except RemoteError as e:
+        raise UserError(str(e)) from None
+    if len({s.name for s in servers}) != len(servers):  # two unnamed servers of one engine cannot happen (names required)
+        raise BadOption("--server: two configurations with the same name")
+    session = RemoteSession(servers, sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
+                            seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], timeout=opts.get("timeout") or 120.0)
+    if opts.get("system"):
+        session.set_system(opts["system"])
+    return session
+
+
 def config_summary(session) -> dict:
     """The settings a result was produced with (every summary and report starts with these)."""
+    sampling = session.controls.sampling
+    if getattr(session, "servers", None):  # a RemoteSession: the server's threads and device are its own
+        return {
+            "target": session.server.model, "server": session.server.url, "engine": session.server.engine,
+            "server_version": session.server.version, "speculative": session.server.speculative, "draft": None,
+            "mode": session.mode, "draft_len": session.controls.k, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": session.seed, "device": "server", "dtype": "",
+            "threads": None, "accept": session.controls.rule.name,
+        }
     import torch
 
-    sampling = session.controls.sampling
     return {
         "target": session.target.name,
         "draft": session.draft.name if session.draft else None,

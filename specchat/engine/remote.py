@@ -160,7 +160,9 @@ class Request:
     top_k: int
     top_p: float
     seed: int | None = None
-    n_max: int | None = None  # llama-server: draft at most this many per step (0: no drafting); None: the server's
+    # No draft length: the pinned llama-server ignores a request's speculative.n_max/n_min/p_min (server-schema.cpp
+    # compiles them out, "disable speculative parameter adjustments for now"), and vLLM fixes it at start. The
+    # server's own setting applies; a configuration without drafting is a server of its own.
 
     def body(self, server: Server) -> dict:
         body = {
@@ -172,9 +174,6 @@ class Request:
         if server.engine == "llama-server":
             # only the samplers specchat shows: llama-server's chain also has min-p, penalties... off by default here
             body.update({"timings_per_token": True, "top_k": self.top_k, "min_p": 0.0})
-            if self.n_max is not None:
-                body["speculative.n_max"] = self.n_max
-                body["speculative.n_min"] = 0
         elif self.top_k:
             body["top_k"] = self.top_k
         return body
@@ -256,8 +255,8 @@ class Reconciliation:
 class LlamaServerSteps:
     """Turns llama-server's running counters into RoundRecords, one per target step, as the tokens arrive."""
 
-    def __init__(self, mode: str, k: int | None, t_start: float) -> None:
-        self.mode, self.k = mode, k
+    def __init__(self, mode: str, t_start: float) -> None:
+        self.mode = mode
         self.t_last = t_start  # the end of the previous step (the request's start for the first)
         self.t_start = t_start
         self.n = self.drafted = self.accepted = 0  # the counters as last seen
@@ -305,6 +304,8 @@ class LlamaServerSteps:
             step.tokens.append(self._event(step, len(step.tokens), piece))
             if step.drafted == 0 or len(step.tokens) == step.size:
                 out += self._flush_current(t)
+        if self.queued is not None:  # llama-server moves a step's counters with its first token, never earlier
+            self.problems.append(f"at token {n}: a step's counters moved before the previous step's tokens all came")
         return out
 
     def _event(self, step: _Step, i: int, text: str) -> TokenEvent:
@@ -320,7 +321,7 @@ class LlamaServerSteps:
             self.problems.append(f"step {self.index}: {len(step.tokens)} tokens where {step.accepted} accepted drafts promise {step.size}")
         first = self.index == 0
         record = RoundRecord(
-            index=self.index, mode=self.mode, draft_len=self.k if self.k is not None else step.drafted,
+            index=self.index, mode=self.mode, draft_len=step.drafted,  # the server's K for this step is not sent
             drafted=step.drafted, accepted=step.accepted, draft_calls=0, draft_s=0.0,
             verify_s=0.0 if first else t - self.t_last, wall_s=0.0 if first else t - self.t_last,
             prefill_s=t - self.t_start if first else 0.0, tokens=step.tokens,
@@ -354,14 +355,14 @@ class LlamaServerSteps:
         return rec
 
 
-def generate(server: Server, request: Request, *, mode: str, k: int | None, timeout: float,
+def generate(server: Server, request: Request, *, mode: str, timeout: float,
              steps_out: list | None = None) -> Iterator[RoundRecord]:
     """One reply from the server as RoundRecords, as the local engines yield them. `steps_out` receives the
     reconstruction (its Reconciliation says whether it matched the server's counters)."""
     if server.engine != "llama-server":
         raise RemoteError(f"{server.url}: reading {server.engine}'s speculation is not supported yet")
     t0 = time.perf_counter()
-    steps = LlamaServerSteps(mode, k, t0)
+    steps = LlamaServerSteps(mode, t0)
     if steps_out is not None:
         steps_out.append(steps)
     t, last = t0, None

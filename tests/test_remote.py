@@ -1,0 +1,247 @@
+"""The remote engine's reconstruction of llama-server's steps, from hand-written chunks shaped as llama-server sends
+them (tools/server/server-context.cpp of the pinned llama.cpp): fast, no server. The real servers are in
+tests/test_remote_llama_server.py."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+
+from specchat.engine import remote
+from specchat.remote_session import RemoteSession
+
+
+def chunk(n, drafted=0, accepted=0, text="x", finish=None, usage=None):
+    """One streamed chunk: llama-server leaves draft_n out until the first draft."""
+    timings = {"predicted_n": n}
+    if drafted:
+        timings.update(draft_n=drafted, draft_n_accepted=accepted)
+    out = {"choices": [{"delta": {"content": text}, "finish_reason": finish}], "timings": timings}
+    if usage is not None:
+        out = {"choices": [], "usage": {"completion_tokens": usage}, "timings": timings}
+    return out
+
+
+def finish_chunk(reason="stop"):
+    return {"choices": [{"delta": {}, "finish_reason": reason}]}
+
+
+def run(chunks):
+    steps = remote.LlamaServerSteps("server", 0.0)
+    records = []
+    for i, c in enumerate(chunks, start=1):
+        records += steps.feed(float(i), c)
+    records += steps.finish(float(len(chunks) + 1))
+    return steps, records
+
+
+def kinds(records):
+    return [[t.kind for t in r.tokens] for r in records]
+
+
+def test_a_hand_worked_stream():
+    """The first token plain (prefill); a step drafting 3 and accepting 1 (accepted, resampled); a plain step;
+    a step accepting all 2 of 2 (accepted, accepted, bonus); the end token in the usage chunk, after the finish."""
+    steps, records = run([
+        chunk(1),  # the prefill's token
+        chunk(2, 3, 1), chunk(3, 3, 1),  # 3 drafted, 1 accepted: 2 tokens
+        chunk(4, 3, 1),  # no counter moved: a plain step
+        chunk(5, 5, 3), chunk(6, 5, 3), chunk(7, 5, 3, text=""),  # 2 drafted, 2 accepted: 3 tokens, the last one no text
+        finish_chunk(), chunk(7, 5, 3, usage=7),
+    ])
+    assert kinds(records) == [["target"], ["accepted", "resampled"], ["target"], ["accepted", "accepted", "bonus"]]
+    assert [(r.drafted, r.accepted) for r in records] == [(0, 0), (3, 1), (0, 0), (2, 2)]
+    assert [t.position for t in records[3].tokens] == [1, 2, 3]
+    rec = steps.reconciliation()
+    assert rec.ok, rec.problems
+    assert (rec.tokens, rec.drafted, rec.accepted) == (7, 5, 3) == (rec.server_tokens, rec.server_drafted, rec.server_accepted)
+    assert records[0].prefill_s == 1.0 and records[0].wall_s == 0.0  # the first token: time to first token
+    assert records[1].wall_s == pytest.approx(2.0)  # from the first token (t=1) to the step's last (t=3)
+    assert steps.finish_reason == "stop"
+
+
+def test_the_end_token_arrives_with_the_final_counters():
+    """llama-server sends no content for an end token: it shows only as predicted_n in the usage chunk."""
+    steps, records = run([chunk(1), chunk(2, 2, 2), chunk(3, 2, 2), finish_chunk(), chunk(4, 2, 2, usage=4)])
+    assert kinds(records) == [["target"], ["accepted", "accepted", "bonus"]]
+    assert records[1].tokens[-1].text == ""
+    assert steps.reconciliation().ok
+
+
+def test_a_step_cut_short_by_the_end_token():
+    """4 drafted and accepted, but the 2nd accepted draft is the end token: the server stops there."""
+    steps, records = run([chunk(1), chunk(2, 4, 4), chunk(3, 4, 4, text=""), finish_chunk(), chunk(3, 4, 4, usage=3)])
+    assert kinds(records) == [["target"], ["accepted", "accepted"]]
+    assert steps.reconciliation().ok
+
+
+def test_a_character_split_over_two_tokens_spans_a_step_boundary():
+    """A token ending inside a multi-byte character sends no chunk: the next chunk counts both tokens, the first
+    of them the last of the previous step, and the text goes with the second."""
+    steps, records = run([
+        chunk(1),
+        chunk(2, 2, 1, text="a"),  # step 1: 2 drafted, 1 accepted -> tokens 2, 3; token 3 ends mid-character
+        chunk(4, 4, 2, text="é"),  # token 3 (no chunk of its own) closes step 1; token 4 opens step 2 (2 drafted, 1 accepted)
+        chunk(5, 4, 2, text="b"),
+        finish_chunk(), chunk(5, 4, 2, usage=5),
+    ])
+    assert kinds(records) == [["target"], ["accepted", "resampled"], ["accepted", "resampled"]]
+    assert [t.text for t in records[1].tokens] == ["a", ""]
+    assert [t.text for t in records[2].tokens] == ["é", "b"]
+    assert steps.reconciliation().ok
+
+
+def test_counters_that_do_not_add_up_are_reported():
+    """The negative control: a step that promises 3 tokens (2 accepted) but is followed by plain tokens at once,
+    and a usage count that disagrees, are both named."""
+    steps, records = run([chunk(1), chunk(2, 2, 2), chunk(3, 4, 2), finish_chunk(), chunk(3, 4, 2, usage=9)])
+    rec = steps.reconciliation()
+    assert not rec.ok
+    assert any("before the previous step's tokens all came" in p for p in rec.problems)
+    assert any("completion_tokens" in p for p in rec.problems)
+
+
+def test_text_without_timings_is_reported():
+    steps, _ = run([{"choices": [{"delta": {"content": "hi"}}]}, finish_chunk(), chunk(1, usage=1)])
+    assert any("timings" in p for p in steps.reconciliation().problems)
+
+
+# ---------------------------------------------------------------- HTTP behaviour against a local stand-in
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """A stand-in llama-server: /props and /slots as llama-server answers them; the chat endpoint streams
+    `self.server.script` (a list of chunks), then [DONE] unless `cut` is set (the stream breaks)."""
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.server.seen_auth.append(self.headers.get("Authorization"))
+        if self.path == "/props":
+            self._json(200, {"default_generation_settings": {"params": {}}, "model_path": "/m/model.gguf", "build_info": "b1"})
+        elif self.path == "/slots":
+            self._json(200, [{"speculative": True, "params": {"speculative.types": "none,draft-simple"}}])
+        else:
+            self._json(404, {"error": {"message": "File Not Found"}})
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", 0))
+        self.server.bodies.append(json.loads(self.rfile.read(length)))
+        if self.server.status != 200:
+            self._json(self.server.status, {"error": {"code": self.server.status, "message": "the request exceeds the available context size"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for c in self.server.script:
+            self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+            self.wfile.flush()
+        if not self.server.cut:
+            self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def standin():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.script, server.cut, server.status, server.bodies, server.seen_auth = [], False, 200, [], []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
+    server.shutdown()
+
+
+def session_for(url, **kw):
+    return RemoteSession([remote.connect(url)], **kw)
+
+
+def test_connect_reads_what_llama_server_reports(standin):
+    server = remote.connect(standin.url + "/v1/")
+    assert (server.engine, server.model, server.speculative, server.url) == ("llama-server", "model.gguf", "draft-simple", standin.url)
+
+
+def test_a_reply_is_recorded_with_the_server_counters_checked(standin):
+    standin.script = [chunk(1, text="Hel"), chunk(2, 1, 1, text="lo"), chunk(3, 1, 1, text="!"), finish_chunk(), chunk(3, 1, 1, usage=3)]
+    session = session_for(standin.url)
+    records = list(session.reply("hi"))
+    assert "".join(t.text for r in records for t in r.tokens) == "Hello!"
+    assert session.messages[-1] == {"role": "assistant", "content": "Hello!"}
+    assert session.turns[-1].stop_reason == "eos" and session.warnings == []
+    body = standin.bodies[-1]
+    assert body["timings_per_token"] is True and body["stream"] is True and body["messages"][-1]["content"] == "hi"
+    snap = session.snapshot()
+    assert snap.stats["llama-server"].num_accepted_tokens == 1 and snap.server.startswith("llama-server model.gguf")
+
+
+def test_a_mismatch_is_a_visible_warning(standin):
+    standin.script = [chunk(1), chunk(2), finish_chunk(), chunk(2, usage=5)]
+    session = session_for(standin.url)
+    list(session.reply("hi"))
+    assert session.warnings and "completion_tokens" in session.warnings[0]
+    assert session.snapshot().warnings == tuple(session.warnings)
+
+
+def test_a_broken_stream_keeps_the_partial_reply(standin):
+    standin.script, standin.cut = [chunk(1, text="Hel"), chunk(2, text="lo")], True
+    session = session_for(standin.url)
+    got = []
+    with pytest.raises(remote.RemoteError, match="ended before the reply did"):
+        for r in session.reply("hi"):
+            got += r.tokens
+    assert "".join(t.text for t in got) == "Hello"
+    assert session.turns[-1].reply == "Hello" and session.turns[-1].stop_reason == "interrupted"
+    assert session.messages[-1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_an_http_error_carries_the_server_message(standin):
+    standin.status = 400
+    session = session_for(standin.url)
+    with pytest.raises(remote.RemoteError, match="HTTP 400.*exceeds the available context size"):
+        list(session.reply("hi"))
+
+
+def test_the_api_key_is_sent_and_never_shown(standin, monkeypatch):
+    monkeypatch.setenv(remote.API_KEY_ENV, "sk-secret-123")
+    standin.script = [chunk(1), finish_chunk(), chunk(1, usage=1)]
+    session = session_for(standin.url)
+    list(session.reply("hi"))
+    assert standin.seen_auth[0] == "Bearer sk-secret-123"
+    assert "sk-secret" not in repr(session.snapshot()) and "sk-secret" not in repr(session.server)
+
+
+def test_unreachable_and_wrong_urls_are_one_line():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(remote.RemoteError, match="cannot reach"):
+        remote.connect(f"http://127.0.0.1:{port}")
+    with pytest.raises(remote.RemoteError, match="not an http"):
+        remote.connect("localhost:8080")
+
+
+def test_a_wrong_path_is_told_apart(standin):
+    with pytest.raises(remote.RemoteError, match="not as llama-server"):
+        remote.connect(standin.url + "/nothing")
+
+
+def test_a_server_that_never_answers_times_out():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts the connection (the kernel does) and never answers
+    try:
+        with pytest.raises(remote.RemoteError, match="no answer within 0.5 s"):
+            remote.connect(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
+    finally:
+        listener.close()
