@@ -66,7 +66,10 @@ def fetch_source(into: Path) -> Path:
 
 
 def build(log=sys.stderr) -> Path:
-    """The cached binary, built first if missing. Safe to call from several processes at once (a file lock)."""
+    """The cached binary, built first if missing. Safe to call from several processes at once (a file lock).
+    SPECCHAT_LLAMA_SERVER names a llama-server binary of your own to use instead (of the same llama.cpp version)."""
+    if os.environ.get("SPECCHAT_LLAMA_SERVER"):
+        return Path(os.environ["SPECCHAT_LLAMA_SERVER"])
     target = binary_path()
     if target.is_file():
         return target

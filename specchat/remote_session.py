@@ -8,6 +8,7 @@ baseline). The draft length is each server's own: the pinned llama-server ignore
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -152,6 +153,8 @@ class RemoteSession(Conversation):
             turn.prompt_tokens = int(steps.usage.get("prompt_tokens", 0))
         if turn.stop_reason == "interrupted" or steps.finish_reason is None:
             return  # a broken or stopped stream has no final counters to compare with
+        if self.server.engine == "llama-server" and self.server.speculative == "on":  # its slot lists the types now
+            self._refresh_speculation()
         rec = steps.reconciliation()
         if not rec.ok:
             message = f"turn {len(self.turns)}: the reconstructed steps do not match the server's counters: " + "; ".join(rec.problems)
@@ -160,6 +163,15 @@ class RemoteSession(Conversation):
                 self.warnings.append(message)
         if turn.rounds and turn.rounds[-1].stop_reason:
             turn.stop_reason = turn.rounds[-1].stop_reason
+
+    def _refresh_speculation(self) -> None:
+        try:
+            spec = remote.llama_server_speculation(self.server.url)
+        except remote.RemoteError:
+            return
+        if spec not in ("on", "unknown"):
+            with self.lock:
+                self.server = self.servers[self.server.name] = dataclasses.replace(self.server, speculative=spec)
 
     def _snapshot_extra(self) -> dict:
         return {"server": self.server.label, "warnings": tuple(self.warnings)}

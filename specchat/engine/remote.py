@@ -118,7 +118,7 @@ def connect(url: str, name: str | None = None, *, timeout: float = CONNECT_TIMEO
     props = _get_json(f"{base}/props", timeout)
     if props is not None and "default_generation_settings" in props:
         model = os.path.basename(props.get("model_path") or "") or props.get("model_alias") or _first_model(base, timeout)
-        return Server(name or "llama-server", base, "llama-server", model, _llama_server_speculation(base, timeout),
+        return Server(name or "llama-server", base, "llama-server", model, llama_server_speculation(base, timeout),
                       str(props.get("build_info", "")))
     version = _get_json(f"{base}/version", timeout)
     if version is not None and "version" in version:
@@ -128,9 +128,10 @@ def connect(url: str, name: str | None = None, *, timeout: float = CONNECT_TIMEO
     raise RemoteError(f"{base} answers, but not as llama-server (/props) or vLLM (/version): is this the right URL?")
 
 
-def _llama_server_speculation(base: str, timeout: float) -> str | None:
-    """The speculative types of llama-server's slots ("draft-simple", "ngram-mod", ...), None if it does not
-    speculate, "unknown" if /slots is off (--no-slots): /props does not say."""
+def llama_server_speculation(base: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+    """The speculative types of llama-server's slots ("draft-simple", "ngram-mod", ...); "on" before a slot has
+    served a request (only then does it list its types); None if it does not speculate; "unknown" if /slots is
+    off (--no-slots). /props does not say."""
     try:
         slots = _get_json(f"{base}/slots", timeout)
     except RemoteError:
@@ -140,7 +141,7 @@ def _llama_server_speculation(base: str, timeout: float) -> str | None:
     if not slots[0]["speculative"]:
         return None
     types = [t for t in str(slots[0].get("params", {}).get("speculative.types", "")).split(",") if t and t != "none"]
-    return ",".join(types) or "unknown"
+    return ",".join(types) or "on"
 
 
 def _first_model(base: str, timeout: float) -> str:
