@@ -16,6 +16,7 @@ from typing import Iterator
 
 from specchat.conversation import Conversation, Turn
 from specchat.engine import remote
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.events import RoundRecord
 from specchat.engine.sampling_params import SamplingParams
 
@@ -45,8 +46,8 @@ class RemoteControls:
     adaptive = None
 
 
-class RemoteUnavailable(ValueError):
-    """A mode this server cannot run (the chat greys it out)."""
+class RemoteUnavailable(ModeUnavailable):
+    """What a remote session cannot do (a mode it does not have, a raw prompt)."""
 
 
 class RemoteSession(Conversation):

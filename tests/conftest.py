@@ -16,6 +16,7 @@ os.environ["SPECCHAT_CONFIG_DIR"] = os.path.join(_scratch, "config")
 import pytest
 import torch
 
+import remote_standin
 from helpers import tiny_llama
 
 # One intra-op thread: the tiny models gain nothing from two, and on a machine shared with other work
@@ -28,6 +29,14 @@ from specchat.engine import smallbatch  # noqa: E402
 from specchat.store import cache_dir  # noqa: E402
 
 smallbatch.load(cache_dir() / "kernels")
+
+
+@pytest.fixture
+def standin():
+    """A stand-in llama-server on 127.0.0.1 (tests/remote_standin.py)."""
+    server = remote_standin.start()
+    yield server
+    server.shutdown()
 
 
 @pytest.fixture(scope="session")

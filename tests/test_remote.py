@@ -4,30 +4,13 @@ tests/test_remote_llama_server.py."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import socket
-import threading
 
 import pytest
 
+from remote_standin import chunk, finish_chunk
 from specchat.engine import remote
 from specchat.remote_session import RemoteSession
-
-
-def chunk(n, drafted=0, accepted=0, text="x", finish=None, usage=None):
-    """One streamed chunk: llama-server leaves draft_n out until the first draft."""
-    timings = {"predicted_n": n}
-    if drafted:
-        timings.update(draft_n=drafted, draft_n_accepted=accepted)
-    out = {"choices": [{"delta": {"content": text}, "finish_reason": finish}], "timings": timings}
-    if usage is not None:
-        out = {"choices": [], "usage": {"completion_tokens": usage}, "timings": timings}
-    return out
-
-
-def finish_chunk(reason="stop"):
-    return {"choices": [{"delta": {}, "finish_reason": reason}]}
 
 
 def run(chunks):
@@ -111,56 +94,6 @@ def test_text_without_timings_is_reported():
 
 
 # ---------------------------------------------------------------- HTTP behaviour against a local stand-in
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    """A stand-in llama-server: /props and /slots as llama-server answers them; the chat endpoint streams
-    `self.server.script` (a list of chunks), then [DONE] unless `cut` is set (the stream breaks)."""
-
-    def log_message(self, *args):
-        pass
-
-    def _json(self, code, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self.server.seen_auth.append(self.headers.get("Authorization"))
-        if self.path == "/props":
-            self._json(200, {"default_generation_settings": {"params": {}}, "model_path": "/m/model.gguf", "build_info": "b1"})
-        elif self.path == "/slots":
-            self._json(200, [{"speculative": True, "params": {"speculative.types": "none,draft-simple"}}])
-        else:
-            self._json(404, {"error": {"message": "File Not Found"}})
-
-    def do_POST(self):
-        length = int(self.headers.get("Content-Length", 0))
-        self.server.bodies.append(json.loads(self.rfile.read(length)))
-        if self.server.status != 200:
-            self._json(self.server.status, {"error": {"code": self.server.status, "message": "the request exceeds the available context size"}})
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for c in self.server.script:
-            self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
-            self.wfile.flush()
-        if not self.server.cut:
-            self.wfile.write(b"data: [DONE]\n\n")
-
-
-@pytest.fixture
-def standin():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.script, server.cut, server.status, server.bodies, server.seen_auth = [], False, 200, [], []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    server.url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield server
-    server.shutdown()
 
 
 def session_for(url, **kw):

@@ -46,7 +46,7 @@ def user_errors():
 
         if isinstance(e, (RemoteError, RemoteUnavailable)):  # before the local engine's errors, which import torch
             raise UserError(str(e)) from None
-        from specchat.engine.drafters import ModeUnavailable
+        from specchat.engine.errors import ModeUnavailable
         from specchat.engine.llamacpp import EngineError
         from specchat.models import ModelError
         from specchat.conversation import PromptTooLong

@@ -367,9 +367,13 @@ def generate(server: Server, request: Request, *, mode: str, timeout: float,
     if steps_out is not None:
         steps_out.append(steps)
     t, last = t0, None
-    for t, chunk in stream_chunks(server, request, timeout=timeout):
-        for last in steps.feed(t, chunk):
-            yield last
+    try:
+        for t, chunk in stream_chunks(server, request, timeout=timeout):
+            for last in steps.feed(t, chunk):
+                yield last
+    except RemoteError:  # the tokens of a step the break cut short are kept too
+        yield from steps.finish(time.perf_counter())
+        raise
     for last in steps.finish(t):
         yield last
     if last is not None:  # known only now: the finish reason may come after the last token

@@ -12,7 +12,7 @@ from contextlib import closing
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -23,21 +23,22 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from specchat.engine.drafters import TORCH_ONLY, ModeUnavailable
+from specchat.conversation import PromptTooLong
+from specchat.engine.errors import ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
 from specchat.history import ConversationLog, conversations, conversations_dir
 from specchat.modes import MODES
-from specchat.conversation import PromptTooLong
-from specchat.session import Session
 from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
-from specchat.tui.keys import ACTION_KEYS, NOT_IN_FOOTER, key_label, mode_keys
+from specchat.tui.keys import ACTION_KEYS, MAX_MODES, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
 from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
-from specchat.tui.widgets import (MODE_KEYS, Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StatsPanel,
-                                  UserView)
+from specchat.tui.widgets import Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StatsPanel, UserView
+
+if TYPE_CHECKING:  # the app runs on a local Session or a RemoteSession (which never imports torch)
+    from specchat.session import Session
 
 # While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
 # GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
@@ -55,7 +56,8 @@ class SpecChatApp(App):
     # keys.py: modes on F2..F10 (listed in the panel, the help and the palette, not the footer, which must fit
     # 80 columns), every other action on F1, Esc or a ctrl key
     BINDINGS = [
-        *(Binding(key, f"mode('{mode}')", mode, show=False, id=f"mode.{mode}") for mode, key in mode_keys(MODES).items()),
+        # F2..F10: the session's modes in order (MODES locally, the server configurations on a remote session)
+        *(Binding(f"f{i + 2}", f"mode_key({i})", f"mode {i + 1}", show=False, id=f"mode.{i + 1}") for i in range(MAX_MODES)),
         *(Binding(keys, action, label, id=f"app.{action}", show=action not in NOT_IN_FOOTER, priority=action == "quit")
           for action, (keys, label, _) in ACTION_KEYS.items()),
     ]
@@ -84,10 +86,15 @@ class SpecChatApp(App):
         self.export_path = Path(export_path) if export_path else None
         self.reply_view: ReplyView | None = None
         self.snapshot = session.snapshot()  # what the panel shows: the latest from RoundDone, or taken after a change
+        self.modes: dict[str, str] = getattr(session, "modes", MODES)  # name -> what it is, in key order
+        self.mode_keys = {mode: key_label(key) for mode, key in mode_keys(self.modes).items()}  # as shown: "F2"
+        self.remote = getattr(session, "servers", None) is not None
         self.unavailable: dict[str, str] = {}
-        if session.draft is None:
+        if session.draft is None and "draft" in self.modes:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
         if getattr(session, "engine_label", "torch") == "llama.cpp":  # known before anyone presses the key
+            from specchat.engine.drafters import TORCH_ONLY
+
             self.unavailable.update({mode: f"needs the torch engine (--engine torch): it {why}" for mode, why in TORCH_ONLY.items()})
         try:  # the panel's speedups compare against plain rounds measured in-band, under the same load
             session.measure_baseline()
@@ -102,10 +109,17 @@ class SpecChatApp(App):
         self._log_handler: LogHandler | None = None
         self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
         self._setup_themes(theme, theme_dirs)
+        self.sub_title = self.title_line()
+
+    def title_line(self) -> str:
+        """The header's second line: what runs the reply (the server configuration of a remote session)."""
+        session = self.session
+        if self.remote:
+            return f"{session.server.label} · {session.server.url}"
         draft = f" + {session.draft.name}" if session.draft is not None else ""
         kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
         where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
-        self.sub_title = f"{session.target.name}{draft}" + (f" · {where}" if where else "")
+        return f"{session.target.name}{draft}" + (f" · {where}" if where else "")
 
     # ------------------------------------------------------------------ setup
     def _setup_themes(self, name: str | None, dirs: list[Path] | None) -> None:
@@ -134,7 +148,7 @@ class SpecChatApp(App):
                 # select_on_focus off: coming back to the input must not select the draft, or the next key replaces it
                 yield Input(placeholder="Message  (Enter sends · F1: keys)", id="prompt", select_on_focus=False)
             with Vertical(id="side"):
-                yield StatsPanel(id="stats-panel")
+                yield StatsPanel(self.modes, id="stats-panel")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -178,7 +192,7 @@ class SpecChatApp(App):
         if isinstance(self.screen, HelpScreen):
             self.screen.dismiss()
         else:
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.modes))
 
     def action_show_log(self) -> None:
         if isinstance(self.screen, LogScreen):
@@ -348,12 +362,20 @@ class SpecChatApp(App):
             self.notify("Stopping after this round; the partial reply is kept.", timeout=3)
 
     # ------------------------------------------------------------------ modes
+    def action_mode_key(self, index: int) -> None:
+        """F2..F10: the session's index-th mode (a key past the last mode says so)."""
+        modes = list(self.modes)
+        if index >= len(modes):
+            self.notify(f"F{index + 2}: no mode on this key ({len(modes)} modes: F2..F{len(modes) + 1})", timeout=3)
+            return
+        self.action_mode(modes[index])
+
     def action_mode(self, mode: str) -> None:
-        if mode not in MODES:
+        if mode not in self.modes:
             self.warn(f"unknown mode {mode!r}")
             return
         if mode in self.unavailable:
-            self.warn(f"{MODE_KEYS[mode]} {mode}: {self.unavailable[mode]}")
+            self.warn(f"{self.mode_keys[mode]} {mode}: {self.unavailable[mode]}")
             return
         if mode == self.session.mode and self.pending_mode is None:
             self.notify(f"Already in mode {mode}.", timeout=2)
@@ -383,16 +405,21 @@ class SpecChatApp(App):
         self.pending_mode = None
         if message.error:
             self.unavailable[message.mode] = message.error
-            self.warn(f"{MODE_KEYS[message.mode]} {message.mode} is unavailable: {message.error}")
+            self.warn(f"{self.mode_keys[message.mode]} {message.mode} is unavailable: {message.error}")
         else:
             self.session.set_mode(message.mode)  # cheap now: the drafter is built; the next round uses it
-            when = " from the next round" if self.generating else ""
-            self.notify(f"Mode {message.mode}{when}: {MODES[message.mode]}", timeout=3)
+            when = (" from the next reply" if self.remote else " from the next round") if self.generating else ""
+            self.notify(f"Mode {message.mode}{when}: {self.modes[message.mode]}", timeout=3)
+            self.sub_title = self.title_line()
         self.refresh_panel()
 
     # ------------------------------------------------------------------ settings
     def action_draft_length(self, delta: int) -> None:
         controls = self.session.controls
+        if controls.k is None:  # a server's draft length is its own setting
+            self.warn("The draft length is the server's setting (llama-server: --spec-draft-n-max; it ignores a "
+                      "request's); start another server for another K and switch to it")
+            return
         controls.k = max(K_RANGE[0], min(K_RANGE[1], controls.k + delta))
         self.notify(f"Draft length K = {controls.k}", timeout=2)
         self.refresh_panel()
@@ -422,6 +449,9 @@ class SpecChatApp(App):
             self.set_sampling(temperature=0.0)
 
     def action_toggle_rejected(self) -> None:
+        if self.remote:
+            self.notify("The server does not send the drafts it rejected (nor p or q): only how many it accepted", timeout=4)
+            return
         self.show_rejected = not self.show_rejected
         self.notify("Showing rejected drafts inline" if self.show_rejected else "Hiding rejected drafts", timeout=2)
 
@@ -556,9 +586,9 @@ class SpecChatApp(App):
         def key(action: str) -> str:
             return key_label(ACTION_KEYS[action][0])
 
-        for mode, mode_key in MODE_KEYS.items():
+        for mode, mode_key in self.mode_keys.items():
             note = f" (unavailable: {self.unavailable[mode]})" if mode in self.unavailable else ""
-            yield SystemCommand(f"Mode: {mode} ({mode_key})", MODES[mode] + note, lambda m=mode: self.action_mode(m))
+            yield SystemCommand(f"Mode: {mode} ({mode_key})", self.modes[mode] + note, lambda m=mode: self.action_mode(m))
         yield SystemCommand(f"Keys ({key('help')})", "Every key and command", self.action_help)
         yield SystemCommand(f"Stop reply ({key('stop')})", "Stop the streaming reply; keep what was generated",
                             self.action_stop)

@@ -24,8 +24,9 @@ INSPECTOR_KEYS = [
 PALETTE_ONLY = "draft length K ±1, temperature ±0.1, greedy / sampling, themes"
 
 
-def keys_table() -> Group:
-    """One titled table per section; the key column as narrow as its keys, so 80 columns leave room to read."""
+def keys_table(modes: dict[str, str] = MODES) -> Group:
+    """One titled table per section; the key column as narrow as its keys, so 80 columns leave room to read.
+    `modes`: the session's (a remote session's are its server configurations)."""
     sections: list[tuple[str, list[tuple[str, str]]]] = [
         ("chat", [
             ("Enter", "send; while a reply streams, queue the message (sent when it finishes)"),
@@ -33,7 +34,7 @@ def keys_table() -> Group:
             (key_label("ctrl+p"), f"command palette: every action, and {PALETTE_ONLY}"),
         ]),
         ("modes (from the next round, also mid-reply)",
-         [(key_label(key), f"{mode}: {MODES[mode]}") for mode, key in mode_keys(MODES).items()]),
+         [(key_label(key), f"{mode}: {modes[mode]}") for mode, key in mode_keys(modes).items()]),
         ("token inspector", INSPECTOR_KEYS),
     ]
     width = max(len(key) for _, rows in sections for key, _ in rows)
@@ -57,8 +58,12 @@ class HelpScreen(ModalScreen):
     """
     BINDINGS = [Binding("escape,f1", "dismiss", "close", id="help.close")]
 
+    def __init__(self, modes: dict[str, str] = MODES) -> None:
+        super().__init__()
+        self.modes = modes
+
     def compose(self) -> ComposeResult:
-        scroll = VerticalScroll(Static(keys_table()))
+        scroll = VerticalScroll(Static(keys_table(self.modes)))
         scroll.border_title = "keys (Esc to close)"
         yield scroll
 

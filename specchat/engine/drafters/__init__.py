@@ -2,16 +2,17 @@
 modes' names and descriptions, torch-free, are specchat.modes.MODES (same order)."""
 
 from specchat.engine.drafters.auto import AutoDrafter
-from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
+from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter
+from specchat.engine.drafters.gguf import GGUFDrafter
 from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.layerskip import LayerSkipDrafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.lowrank import LowRankDrafter
-from specchat.engine.drafters.gguf import GGUFDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.llamacpp import on_llama_cpp
 
 # mode -> drafter class; each has `build(target, draft, **options)`

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specchat.engine.drafters.base import Drafter, ModeUnavailable
+from specchat.engine.drafters.base import Drafter
+from specchat.engine.errors import ModeUnavailable
 
 CANDIDATES = ("off", "lookup", "head", "quant", "draft")  # in the order their first rounds run
 CACHED = {"head", "quant", "draft"}  # drafters that catch up on the positions they missed when they run again

@@ -10,10 +10,6 @@ from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 
 
-class ModeUnavailable(Exception):
-    """A mode that cannot run with the loaded models; the message says why, in one line."""
-
-
 @dataclass
 class Proposal:
     ids: torch.Tensor  # [K'] proposed tokens, K' <= K

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from specchat.engine.cache import crop_to
-from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
+from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder
 from specchat.engine.sampling import argmax, logits_to_probs, sample
 

@@ -7,7 +7,7 @@ temperature, with q exactly what each draft was sampled from) instead of greedy 
 
 from __future__ import annotations
 
-from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.model import ModelDrafter, align_vocab
 from specchat.engine.llamacpp import EngineError, GGUFModel, on_llama_cpp
 

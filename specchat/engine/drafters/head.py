@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from transformers.activations import ACT2FN
 
 from specchat.engine.cache import KVCache, common_prefix
-from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
+from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.runner import Block, Shape, Runner, decoder_layer, rms_norm, unsupported
 from specchat.engine.sampling import argmax, logits_to_probs, sample
 from specchat.engine.smallbatch import draft_weights, linear

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 
 from specchat.engine.cache import KVCache, forward_logits, new_cache
-from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.runner import Runner, lean_runner
 
 # architectures whose decoder is embed -> layers -> norm -> lm_head with a model-level rotary embedding

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder, cache_bytes
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.runner import lean_runner

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
 from specchat.engine.runner import Runner, lean_runner
 

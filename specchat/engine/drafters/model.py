@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
-from specchat.engine.drafters.base import Drafter, ModeUnavailable, Proposal
+from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
 from specchat.engine.sampling import argmax, logits_to_probs, sample
 from specchat.engine.smallbatch import linear

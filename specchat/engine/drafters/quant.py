@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from specchat.engine.drafters.base import ModeUnavailable
+from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.copydraft import CopyDrafter, shared_copy
 from specchat.engine.runner import lean_runner, unsupported
 from specchat.engine.smallbatch import Int8Weights, int8_usable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from rich.console import Group
@@ -43,10 +44,14 @@ class Inspector(Static):
         self.border_title = "token inspector"
         head = Text()
         head.append(visible(token.text) + "  ", style="bold")
-        head.append(f"id {token.id}\n", style="dim")
+        head.append(f"id {token.id}\n" if token.id >= 0 else "id not sent\n", style="dim")
         head.append(f"{token.kind}", style="bold")
         head.append(f" — {KIND_HELP[token.kind]}\n", style="dim")
         head.append(f"round {token.round}  position {token.position}\n")
+        if math.isnan(token.p):  # a serving engine's token: the kind comes from its step counters, nothing more
+            head.append("p, q, the alternatives and the rejected drafts: the server does not send them", style="dim")
+            self.update(head)
+            return
         head.append(f"p(x) {token.p:.4f}   q(x) {fmt(token.q, '.4f')}   accept {fmt(token.accept_prob, '.3f')}")
         if token.p_raw is not None:  # greedy makes p one-hot: what the model itself thought
             head.append(f"\nmodel at T=1: p(x) {token.p_raw:.4f}", style="dim")

@@ -9,14 +9,16 @@ from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
+from specchat.conversation import Snapshot
 from specchat.engine.metrics import Stats, measured_speedup
 from specchat.fmt import fixed as fmt
 from specchat.fmt import pct
 from specchat.modes import MODES
-from specchat.conversation import Snapshot
 from specchat.tui.keys import key_label, mode_keys
 
 MODE_KEYS = {mode: key_label(key) for mode, key in mode_keys(MODES).items()}  # as shown: "F2"
+# what a client cannot measure of a server's steps: the panel leaves these rows out for a remote session
+SERVER_HIDDEN = ("draft calls/tok", "draft ms/round", "verify ms/round")
 
 
 def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
@@ -51,14 +53,25 @@ def baseline_text(snapshot: Snapshot, now: float | None = None) -> Text:
     return Text(f"vs plain: {1000 * b.step_s:.1f} ms/step, {age}", style="dim")
 
 
+def sampling_text(snapshot: Snapshot) -> str:
+    sampling = snapshot.sampling
+    how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
+    if not sampling.greedy and sampling.top_k:
+        how += f" top-k={sampling.top_k}"
+    if not sampling.greedy and sampling.top_p < 1:
+        how += f" top-p={sampling.top_p:g}"
+    return how
+
+
 def spark(values: list[float]) -> str:
     """Acceptance per round on an absolute 0..1 scale (a relative scale would exaggerate small changes)."""
     bars = "▁▂▃▄▅▆▇█"
     return "".join(bars[min(7, max(0, round(v * 7)))] for v in values)
 
 
-def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
-    """This reply next to the whole session in the current mode (statistics are kept per mode)."""
+def stats_table(reply: Stats, session: Stats, mode: str, remote: bool = False) -> Table:
+    """This reply next to the whole session in the current mode (statistics are kept per mode). A remote
+    session's rows are what the client measures and the server's counters tell, no more."""
     table = Table(box=None, padding=(0, 0, 0, 1), expand=True, show_edge=False)
     table.add_column("", style="dim", no_wrap=True, overflow="ellipsis")
     table.add_column("reply", justify="right", no_wrap=True, min_width=6)
@@ -76,7 +89,8 @@ def stats_table(reply: Stats, session: Stats, mode: str) -> Table:
         ("tokens", lambda s: str(s.new_tokens)),
     ]
     for label, value in rows:
-        table.add_row(label, value(reply), value(session))
+        if not (remote and label in SERVER_HIDDEN):
+            table.add_row(label, value(reply), value(session))
     return table
 
 
@@ -95,15 +109,25 @@ def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) 
     return text
 
 
-def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | None) -> Table:
+def remote_plain(snapshot: Snapshot) -> str | None:
+    """A remote session's baseline: a configuration that ran and never drafted (a server without speculation)."""
+    for mode, s in snapshot.stats.items():
+        if s.new_tokens and not s.num_draft_tokens:
+            return mode
+    return None
+
+
+def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | None, modes=MODES) -> Table:
     """Every mode: its key, acceptance, speed, and speed over the plain baseline (measured, recent)."""
     stats, current = snapshot.stats, snapshot.mode
-    plain = snapshot.baseline or stats.get("off")
+    remote = snapshot.server is not None
+    plain = stats.get(remote_plain(snapshot)) if remote else snapshot.baseline or stats.get("off")
     table = Table(box=None, padding=(0, 1), show_edge=False)
-    for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"), ("×off", "right")):
+    for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"), ("×plain" if remote else "×off", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
-    for mode in MODES:
-        key = MODE_KEYS[mode]
+    keys = {mode: key_label(key) for mode, key in mode_keys(modes).items()}
+    for mode in modes:
+        key = keys[mode]
         marker = "●" if mode in (current, snapshot.choice) else "…" if mode == pending else " "
         if mode in unavailable:
             table.add_row(Text(key, style="dim"), Text(f" {mode}", style="dim strike"), Text("n/a", style="dim"), "", "")
@@ -141,21 +165,25 @@ class StatsPanel(VerticalScroll, can_focus=False):
     _position_lines = -1
     _shown: tuple | None = None  # the latest show()'s arguments
 
+    def __init__(self, modes: dict[str, str] = MODES, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.modes = modes  # the session's (a remote session's are its server configurations)
+
     def compose(self):
         with Vertical(id="panel-left"):
             yield Static(id="mode-line")
             yield Static(id="stats")
             yield Static(id="spark")
-            yield Static("estimated speedup over plain", classes="section")
+            yield Static("estimated speedup over plain", classes="section", id="speedup-title")
             yield Static(id="speedup")
         with Vertical(id="panel-right"):
             yield Static("acceptance by draft position", classes="section")
             yield Static(id="positions")
-            yield Static("modes this session", classes="section")
+            yield Static("modes this session", classes="section", id="modes-title")
             yield Static(id="modes")
 
     def on_mount(self) -> None:
-        self.query_one("#modes").styles.height = len(MODES) + 1  # a header and a row per mode
+        self.query_one("#modes").styles.height = len(self.modes) + 1  # a header and a row per mode
 
     def on_resize(self) -> None:
         """Redraw what was shown for the new width (the sparkline's length depends on it)."""
@@ -164,13 +192,11 @@ class StatsPanel(VerticalScroll, can_focus=False):
 
     def show(self, snapshot: Snapshot, *, unavailable: dict[str, str], pending: str | None) -> None:
         self._shown = (snapshot, unavailable, pending)
+        if snapshot.server is not None:
+            self.show_remote(snapshot, pending)
+            return
         mode, stats, recent = snapshot.mode, snapshot.stats, snapshot.recent
-        sampling = snapshot.sampling
-        how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
-        if not sampling.greedy and sampling.top_k:
-            how += f" top-k={sampling.top_k}"
-        if not sampling.greedy and sampling.top_p < 1:
-            how += f" top-p={sampling.top_p:g}"
+        how = sampling_text(snapshot)
         exact = "exact" if snapshot.exact else "APPROXIMATE"
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
         running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
@@ -211,4 +237,41 @@ class StatsPanel(VerticalScroll, can_focus=False):
         if snapshot.baseline is not None:
             speed.append("\n").append_text(baseline_text(snapshot))
         self.query_one("#speedup", Static).update(speed, layout=False)
-        self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending), layout=False)
+        self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending, self.modes), layout=False)
+
+    def show_remote(self, snapshot: Snapshot, pending: str | None) -> None:
+        """A serving engine: its configuration, the client's timings and the server's counters; in place of the
+        speedup model (which needs draft and verify costs no server sends), the measured ratio to a configuration
+        that does not draft, when one has run."""
+        mode, stats = snapshot.mode, snapshot.stats
+        self.query_one("#speedup-title", Static).update("measured speedup over plain")
+        self.query_one("#modes-title", Static).update("server configurations")
+        line = Text.assemble(("server ", "dim"), (mode, "bold"), ("  ", ""), (sampling_text(snapshot), ""),
+                             (f"\n{snapshot.server}", "dim"))
+        if pending:
+            line = Text.assemble(line, (f"  switching to {pending}…", "italic"))
+        self.query_one("#mode-line", Static).update(line, layout=False)
+        self.query_one("#stats", Static).update(stats_table(snapshot.reply, stats.get(mode, Stats()), mode, remote=True), layout=False)
+        accepted = self.get_component_rich_style("token--accepted", partial=True).color
+        colour = accepted.name if accepted is not None else "green"
+        spark_line = self.query_one("#spark", Static)
+        fits = max(1, (spark_line.content_region.width or 40) - len("recent steps "))
+        spark_line.update(Text.assemble(("recent steps ", "bold"), (spark(snapshot.recent[-fits:]), colour) if snapshot.recent
+                                        else ("no drafts yet", "dim"), no_wrap=True, overflow="crop"), layout=False)
+        positions = positions_text(stats.get(mode), colour)
+        lines = len(positions.plain.splitlines())
+        self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
+        self._position_lines = lines
+        plain = remote_plain(snapshot)
+        measured = measured_speedup(stats.get(mode), stats.get(plain)) if plain else None
+        speed = Text()
+        if measured is not None and plain != mode:
+            speed.append(f"{measured:.2f}×", style="bold").append(f" measured against {plain}")
+        else:
+            speed.append("–", style="bold").append(" no plain configuration has run: add one (--server NAME=URL of a server "
+                                                   "without drafting) and switch to it for a reply", style="dim")
+        speed.append("\nfigures: steps rebuilt from the server's counters; times measured here", style="dim")
+        for warning in snapshot.warnings[-1:]:
+            speed.append(f"\n{warning}", style="bold red")
+        self.query_one("#speedup", Static).update(speed, layout=False)
+        self.query_one("#modes", Static).update(modes_table(snapshot, {}, pending, self.modes), layout=False)
