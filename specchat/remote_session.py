@@ -1,4 +1,4 @@
-"""A conversation with a serving engine (llama-server; vLLM later): the same turns, rounds and statistics as a
+"""A conversation with a serving engine (llama-server, vLLM): the same turns, rounds and statistics as a
 local session, built from what the server streams (engine/remote.py), so the chat, `generate` and the exports
 work on top unchanged. No torch on this path.
 
@@ -18,6 +18,7 @@ from specchat.conversation import Conversation, Turn
 from specchat.engine import remote
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.events import RoundRecord
+from specchat.engine.metrics import Stats
 from specchat.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("specchat")
@@ -71,7 +72,7 @@ class RemoteSession(Conversation):
         self.engine_label = self.server.engine
         self.device_label, self.dtype_label = "server", ""
         self.warnings: list[str] = []  # reconstructions that did not add up to the server's counters
-        self.reconstructions: list[remote.LlamaServerSteps] = []
+        self.reconstructions: list = []  # per generation: its LlamaServerSteps or VllmSteps
         for s in servers:
             if s.speculative is None:
                 self.notices.append(f"{s.name} ({s.url}) does not speculate: every token is a plain target step")
@@ -130,7 +131,7 @@ class RemoteSession(Conversation):
         yield from self._run(messages, turn)
 
     def _run(self, messages: list[dict], turn: Turn) -> Iterator[RoundRecord]:
-        steps: list[remote.LlamaServerSteps] = []
+        steps: list = []
         try:
             yield from self._record(self._rounds(messages, steps), turn)
         except remote.RemoteError:
@@ -147,8 +148,9 @@ class RemoteSession(Conversation):
                                  seed=self.seed)
         return remote.generate(self.server, request, mode=c.mode, timeout=self.timeout, steps_out=steps_out)
 
-    def _check(self, steps: remote.LlamaServerSteps, turn: Turn) -> None:
-        """Compare the reconstruction with the server's final counters; a mismatch is a visible warning."""
+    def _check(self, steps, turn: Turn) -> None:
+        """Compare the reconstruction with the server's final counters (vLLM: first relabel the steps from them);
+        a mismatch is a visible warning."""
         self.reconstructions.append(steps)
         if steps.usage:
             turn.prompt_tokens = int(steps.usage.get("prompt_tokens", 0))
@@ -156,6 +158,13 @@ class RemoteSession(Conversation):
             return  # a broken or stopped stream has no final counters to compare with
         if self.server.engine == "llama-server" and self.server.speculative == "on":  # its slot lists the types now
             self._refresh_speculation()
+        if isinstance(steps, remote.VllmSteps) and steps.relabel():  # the per-step metrics settle the one-token steps
+            with self.lock:
+                turn.stats = Stats.of(turn.rounds)
+                self.stats = {}
+                for t in self.turns:
+                    for r in t.rounds:
+                        self.stats.setdefault(r.mode, Stats()).add(r)
         rec = steps.reconciliation()
         if not rec.ok:
             message = f"turn {len(self.turns)}: the reconstructed steps do not match the server's counters: " + "; ".join(rec.problems)

@@ -8,6 +8,9 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
+
+VLLM = Path(__file__).parent / "fixtures" / "vllm-0.32.0"  # a real vLLM 0.32.0 (CPU) recording: its README says how
 
 
 def chunk(n, drafted=0, accepted=0, text="x", finish=None, usage=None):
@@ -40,8 +43,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _file(self, path: Path, kind="application/json"):
+        body = path.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self):
         self.server.seen_auth.append(self.headers.get("Authorization"))
+        if self.server.engine == "vllm":  # what vLLM answers (recorded)
+            files = {"/version": "version.json", "/v1/models": "models.json", "/metrics": "metrics-spec-lines.prom"}
+            if self.path in files:
+                self._file(VLLM / files[self.path], "text/plain" if self.path == "/metrics" else "application/json")
+            else:
+                self._json(404, {"detail": "Not Found"})
+            return
         if self.path == "/props":
             self._json(200, {"default_generation_settings": {"params": {}}, "model_path": "/m/model.gguf", "build_info": "b1"})
         elif self.path == "/slots":
@@ -58,6 +76,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        if self.server.engine == "vllm":  # the recorded stream, byte for byte
+            self.wfile.write((VLLM / "chat_stream_token_ids.sse").read_bytes())
+            return
         for c in self.server.script:
             self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
             self.wfile.flush()
@@ -67,11 +88,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 def start() -> http.server.ThreadingHTTPServer:
-    """A running stand-in on a free port (`url`); set `script`, `cut`, `status`, `pause_s`; shutdown() when done."""
+    """A running stand-in on a free port (`url`); set `script`, `cut`, `status`, `pause_s`, `engine`; shutdown()
+    when done."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.script, server.cut, server.status, server.bodies, server.seen_auth = [], False, 200, [], []
     server.pause_s = 0.0  # between chunks (a test that presses keys mid-reply sets it)
     server.slots_speculative = True  # what /slots says
+    server.engine = "llama-server"  # or "vllm": answer as the recorded vLLM
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     return server

@@ -178,3 +178,41 @@ def test_a_server_that_never_answers_times_out():
             remote.connect(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.5)
     finally:
         listener.close()
+
+
+# ---------------------------------------------------------------- vLLM: a real recorded stream, and the alignment
+
+
+def test_a_recorded_vllm_stream_is_rebuilt_and_checked(standin):
+    """vLLM 0.32.0 on the CPU, n-gram drafts (K=3), 64 tokens: 1 + 40 one-token chunks, then 4 4 4 4 2 1 1 1 1 2;
+    its per-step metrics say 6 drafting steps accepting 3 3 3 3 1 3 (the last cut to 2 tokens by max_tokens)."""
+    standin.engine = "vllm"
+    server = remote.connect(standin.url)
+    assert (server.engine, server.model, server.k, server.speculative, server.version) == ("vllm", "smollm2-135m-instruct", 3, "K=3", "0.32.0")
+    session = RemoteSession([server], max_new_tokens=64)
+    records = list(session.reply("Repeat this list exactly twice: apple, banana, cherry, date, elderberry, fig, grape"))
+    assert standin.bodies[-1]["return_token_ids"] is True
+    assert session.warnings == []
+    turn = session.turns[-1]
+    drafting = [(r.drafted, r.accepted) for r in turn.rounds if r.drafted]
+    assert drafting == [(3, 3), (3, 3), (3, 3), (3, 3), (3, 1), (3, 3)]
+    assert sum(len(r.tokens) for r in turn.rounds) == 64 == turn.stats.new_tokens
+    assert (turn.stats.num_draft_tokens, turn.stats.num_accepted_tokens) == (18, 16)
+    kinds = [[t.kind for t in r.tokens] for r in turn.rounds if r.drafted]
+    assert kinds[0] == ["accepted", "accepted", "accepted", "bonus"] and kinds[4] == ["accepted", "resampled"]
+    assert kinds[5] == ["accepted", "accepted"]  # cut by max_tokens after two of its three accepted drafts
+    assert turn.rounds[-1].tokens[-1].id == 457 and turn.stop_reason == "max_new_tokens"
+    assert "".join(t.text for r in records for t in r.tokens) == turn.reply and turn.reply.startswith("I'm here")
+
+
+@pytest.mark.parametrize("sizes, entries, expected", [
+    ([1, 1, 4, 1, 2], [(3, 3), (3, 1)], [(0, 0), (0, 0), (3, 3), (0, 0), (3, 1)]),  # no-draft steps are left out
+    ([1, 4], [(3, 0), (3, 3)], [(3, 0), (3, 3)]),  # a one-token step that drafted: all 3 rejected
+    ([4, 2], [(3, 3), (3, 3)], [(3, 3), (3, 3)]),  # the last step cut by max_tokens
+    ([4, 1], [(3, 3), (3, 2)], [(3, 3), (3, 2)]),  # ... to one token
+    ([1, 1, 4], [(3, 0), (3, 3)], None),  # one of two one-token steps drafted: which, the stream does not say
+    ([4], [(3, 2)], None),  # 4 tokens cannot be 2 accepted
+    ([2, 2], [(3, 1)], None),  # an entry missing
+])
+def test_align_hand_worked(sizes, entries, expected):
+    assert remote.align(sizes, entries) == expected

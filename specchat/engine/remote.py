@@ -7,8 +7,14 @@ What a server tells a client, and so all this module knows (docs/ARCHITECTURE.md
   is sent; the step's tokens follow one chunk each (a token that ends inside a multi-byte character arrives with
   the next one). So a jump of d drafted and a accepted means the next a + 1 tokens are one step: a accepted,
   then a replacement if a < d or a bonus if a = d. A token that moves no counter is a plain target step.
-- Neither engine sends the rejected drafts, p or q, nor token ids on the chat endpoint: the events say so
-  (id -1, p and q None) and the screen says the server does not send them; nothing is invented.
+- vLLM (V1) sends each engine step's tokens in one chunk (`return_token_ids` gives their ids): a chunk of m > 1
+  tokens is a step that accepted m - 1 drafts; its last token is a bonus if m - 1 = K (read from the server's
+  Prometheus counters, one per draft position), else a replacement. A one-token chunk is a plain step or a step
+  whose drafts were all rejected: the stream cannot tell, so it is shown plain until the reply's per-request
+  metrics (`--per-request-spec-decode-metrics detailed`: per_step_drafted/per_step_accepted) say which, and
+  the reply is relabelled from them where they determine it.
+- Neither engine sends the rejected drafts, p or q (nor, llama-server's chat endpoint, token ids): the events
+  say so (id -1, p NaN, q None) and the screen says the server does not send them; nothing is invented.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import ssl
 import time
@@ -45,6 +52,7 @@ class Server:
     model: str  # the model as the server names it
     speculative: str | None  # the server's speculative method ("draft", "ngram-simple", ...); None: it does not speculate
     version: str = ""  # the engine's build or version string
+    k: int | None = None  # vLLM: draft tokens per step (num_speculative_tokens), from its counters per position
 
     @property
     def label(self) -> str:
@@ -122,9 +130,8 @@ def connect(url: str, name: str | None = None, *, timeout: float = CONNECT_TIMEO
                       str(props.get("build_info", "")))
     version = _get_json(f"{base}/version", timeout)
     if version is not None and "version" in version:
-        # vLLM fixes its speculative method at start and reports it to a client nowhere but in its metrics and in
-        # each reply's per-request metrics: "unknown" until a reply says
-        return Server(name or "vllm", base, "vllm", _first_model(base, timeout), "unknown", str(version["version"]))
+        spec, k = vllm_speculation(base, timeout)
+        return Server(name or "vllm", base, "vllm", _first_model(base, timeout), spec, str(version["version"]), k)
     raise RemoteError(f"{base} answers, but not as llama-server (/props) or vLLM (/version): is this the right URL?")
 
 
@@ -142,6 +149,21 @@ def llama_server_speculation(base: str, timeout: float = CONNECT_TIMEOUT_S) -> s
         return None
     types = [t for t in str(slots[0].get("params", {}).get("speculative.types", "")).split(",") if t and t != "none"]
     return ",".join(types) or "on"
+
+
+def vllm_speculation(base: str, timeout: float = CONNECT_TIMEOUT_S) -> tuple[str | None, int | None]:
+    """vLLM names its speculative method nowhere a client can read; its Prometheus counters show whether it
+    speculates and K (one accepted-tokens counter per draft position). ("unknown", None) without /metrics."""
+    try:
+        with _open(f"{base}/metrics", timeout=timeout) as response:
+            text = response.read().decode(errors="replace")
+    except RemoteError:
+        return "unknown", None
+    positions = re.findall(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"', text, re.M)
+    if positions:
+        k = max(int(p) for p in positions) + 1
+        return f"K={k}", k
+    return ("on", None) if "vllm:spec_decode" in text else (None, None)
 
 
 def _first_model(base: str, timeout: float) -> str:
@@ -175,8 +197,8 @@ class Request:
         if server.engine == "llama-server":
             # only the samplers specchat shows: llama-server's chain also has min-p, penalties... off by default here
             body.update({"timings_per_token": True, "top_k": self.top_k, "min_p": 0.0})
-        elif self.top_k:
-            body["top_k"] = self.top_k
+        else:  # vLLM: the token ids say how many tokens each step's chunk holds
+            body.update({"return_token_ids": True, "top_k": self.top_k or -1})
         return body
 
 
@@ -356,14 +378,147 @@ class LlamaServerSteps:
         return rec
 
 
+# ---------------------------------------------------------------- vLLM: one chunk per step
+
+
+class VllmSteps:
+    """vLLM's chunks as RoundRecords, one per chunk (one engine step each), relabelled after the reply from its
+    per-request metrics where they determine the steps (module docstring)."""
+
+    def __init__(self, mode: str, t_start: float, k: int | None) -> None:
+        self.mode, self.k = mode, k
+        self.t_last = self.t_start = t_start
+        self.records: list[RoundRecord] = []
+        self.problems: list[str] = []
+        self.usage: dict | None = None
+        self.metrics: dict | None = None
+        self.finish_reason: str | None = None
+
+    def feed(self, t: float, chunk: dict) -> list[RoundRecord]:
+        if chunk.get("usage"):
+            self.usage, self.metrics = chunk["usage"], chunk.get("metrics")
+        choice = (chunk.get("choices") or [{}])[0]
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+        ids = choice.get("token_ids")
+        text = (choice.get("delta") or {}).get("content") or ""
+        if ids is None:
+            if text:
+                self.problems.append("chunks without token_ids (return_token_ids needs vLLM 0.10 or later)")
+            return []
+        if not ids:
+            return []
+        first = not self.records
+        accepted = 0 if first or len(ids) == 1 else len(ids) - 1
+        drafted = 0 if not accepted else (self.k if self.k and self.k >= accepted else accepted + 1)
+        record = RoundRecord(
+            index=len(self.records), mode=self.mode, draft_len=drafted, drafted=drafted, accepted=accepted, draft_calls=0,
+            draft_s=0.0, verify_s=0.0 if first else t - self.t_last, wall_s=0.0 if first else t - self.t_last,
+            prefill_s=t - self.t_start if first else 0.0,
+        )
+        record.tokens = _label(record, ids, text)
+        self.records.append(record)
+        self.t_last = t
+        return [record]
+
+    def finish(self, t: float) -> list[RoundRecord]:
+        return []
+
+    def relabel(self) -> bool:
+        """Set each step's drafted/accepted (and its tokens' kinds) from per_step_drafted/per_step_accepted;
+        False (with the reason in `problems`) where the stream and the metrics do not determine them."""
+        spec = (self.metrics or {}).get("speculative_decoding") or {}
+        drafted, accepted = spec.get("per_step_drafted"), spec.get("per_step_accepted")
+        if drafted is None or accepted is None:
+            if self.metrics is None or spec or self.k:  # a speculating server that sent no per-step lists
+                self.problems.append("no per-step metrics in the usage chunk (start vLLM with --per-request-spec-decode-"
+                                     "metrics detailed): one-token steps are shown plain, some may have drafted")
+            return False
+        steps = align([len(r.tokens) for r in self.records[1:]], list(zip(drafted, accepted)))
+        if steps is None:
+            self.problems.append("the per-step metrics do not determine which one-token steps drafted")
+            return False
+        for record, (d, a) in zip(self.records[1:], steps):
+            record.drafted, record.accepted, record.draft_len = d, a, d
+            record.tokens = _label(record, [t.id for t in record.tokens], None, [t.text for t in record.tokens])
+        return True
+
+    def reconciliation(self) -> Reconciliation:
+        tokens = sum(len(r.tokens) for r in self.records)
+        drafted = sum(r.drafted for r in self.records)
+        accepted = sum(r.accepted for r in self.records)
+        spec = (self.metrics or {}).get("speculative_decoding") or {}
+        rec = Reconciliation(tokens, drafted, accepted, (self.usage or {}).get("completion_tokens"),
+                             spec.get("num_draft_tokens"), spec.get("num_accepted_draft_tokens"), list(self.problems))
+        for name, ours, theirs in (("completion_tokens", tokens, rec.server_tokens), ("drafted", drafted, rec.server_drafted),
+                                   ("accepted", accepted, rec.server_accepted)):
+            if theirs is not None and ours != theirs:
+                rec.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
+        if rec.server_tokens is None:
+            rec.problems.append("no usage chunk with the server's token count")
+        return rec
+
+
+def _label(record: RoundRecord, ids: list[int], text: str | None, texts: list[str] | None = None) -> list[TokenEvent]:
+    """A step's token events: its accepted drafts, then a bonus (all K accepted) or a replacement; the chunk's text
+    goes with the last token (the ids are exact, the split of the text between them is not sent)."""
+    out = []
+    for i, tok in enumerate(ids):
+        if record.drafted == 0:
+            kind = "target"
+        elif i < record.accepted:
+            kind = "accepted"
+        else:
+            kind = "bonus" if record.accepted == record.drafted else "resampled"
+        piece = texts[i] if texts is not None else (text if i == len(ids) - 1 else "")
+        out.append(TokenEvent(id=tok, text=piece, kind=kind, round=record.index, position=i + 1, p=math.nan, q=None,
+                              accept_prob=None))
+    return out
+
+
+def align(sizes: list[int], entries: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """Each step's (drafted, accepted), from vLLM's per-step lists, which leave out the steps that drafted nothing.
+    A step of m > 1 tokens is the next entry (accepted m - 1; the last step may be cut by max_tokens); a run of
+    one-token steps holds as many entries with accepted 0 as come next: none (all plain) or one each (all
+    rejected). Anything else (some of them, or lists that do not fit) is None: the stream does not tell."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(sizes):
+        end = i
+        while end < len(sizes) and sizes[end] == 1:
+            end += 1
+        ones = end - i
+        zeros = 0
+        while j + zeros < len(entries) and entries[j + zeros][1] == 0:
+            zeros += 1
+        if ones:
+            if zeros == ones:
+                out += entries[j:j + zeros]
+                j += zeros
+            elif zeros == 0:
+                out += [(0, 0)] * ones
+            else:
+                return None
+        i = end
+        if i < len(sizes):
+            if j >= len(entries):
+                return None
+            d, a = entries[j]
+            if a != sizes[i] - 1 and not (i == len(sizes) - 1 and a > sizes[i] - 1):
+                return None
+            out.append((d, a))
+            i, j = i + 1, j + 1
+    if j == len(entries) - 1 and sizes and sizes[-1] == 1 and out[-1] == (0, 0) and entries[j][1] > 0:
+        out[-1], j = entries[j], j + 1  # the last step cut to one token by max_tokens
+    return out if j == len(entries) else None
+
+
 def generate(server: Server, request: Request, *, mode: str, timeout: float,
              steps_out: list | None = None) -> Iterator[RoundRecord]:
     """One reply from the server as RoundRecords, as the local engines yield them. `steps_out` receives the
     reconstruction (its Reconciliation says whether it matched the server's counters)."""
-    if server.engine != "llama-server":
-        raise RemoteError(f"{server.url}: reading {server.engine}'s speculation is not supported yet")
     t0 = time.perf_counter()
-    steps = LlamaServerSteps(mode, t0)
+    steps = LlamaServerSteps(mode, t0) if server.engine == "llama-server" else VllmSteps(mode, t0, server.k)
     if steps_out is not None:
         steps_out.append(steps)
     t, last = t0, None

@@ -326,6 +326,8 @@ class SpecChatApp(App):
         self.redraw_reply()
         if self.reply_view is not None:
             turn = self.session.turns[-1] if self.session.turns else None
+            if self.remote and turn is not None and not message.stopped:  # vLLM's steps may have been relabelled
+                self.reply_view.replace_rounds(turn.rounds)
             if message.error:
                 self.reply_view.status = "error"
             elif message.stopped:

@@ -73,6 +73,14 @@ class ReplyView(Widget):
             self.spans += [Span(text, "rejected", None) for text in rejected_texts]
         # no refresh here: the app redraws replies on a short timer, so fast rounds cost one redraw
 
+    def replace_rounds(self, rounds: list[RoundRecord]) -> None:
+        """Show these rounds instead (a serving engine's steps, relabelled once its final metrics came)."""
+        self.tokens, self.spans, self._click = [], [], []
+        self._parts, self._parts_done, self._parts_key = [], 0, None
+        for record in rounds:
+            self.add_round(record, [])
+        self.redraw()
+
     def redraw(self) -> None:
         """Redraw after new rounds; a layout pass (costly: the whole screen) only when the height changed."""
         width = self.content_region.width or self.size.width
