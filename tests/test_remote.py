@@ -216,3 +216,75 @@ def test_a_recorded_vllm_stream_is_rebuilt_and_checked(standin):
 ])
 def test_align_hand_worked(sizes, entries, expected):
     assert remote.align(sizes, entries) == expected
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def run_cli(*args):
+    from click.testing import CliRunner
+
+    from specchat.cli.main import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_generate_through_a_server_prints_the_reply_and_the_check(standin):
+    standin.script = [chunk(1, text="Hel"), chunk(2, 2, 2, text="lo"), chunk(3, 2, 2, text="!"), finish_chunk(), chunk(4, 2, 2, usage=4)]
+    result = run_cli("generate", "--server", standin.url, "--prompt", "hi")
+    assert result.exit_code == 0, result.output
+    assert "Hello!" in result.output and "steps match the server's counters" in result.output
+    assert "acceptance 1" in result.output and "draft calls" not in result.output
+
+
+def test_a_broken_stream_in_generate_is_summarised_then_one_line(standin):
+    standin.script, standin.cut = [chunk(1, text="Hel"), chunk(2, text="lo")], True
+    result = run_cli("generate", "--server", standin.url, "--prompt", "hi")
+    assert result.exit_code == 1
+    assert "Hello" in result.output and "stop: interrupted" in result.output
+    assert result.output.strip().splitlines()[-1].startswith("Error:") and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--server", "http://127.0.0.1:9", "--target", "x.gguf"], "leave out --target"),
+    (["--server", "a=http://127.0.0.1:9", "--server", "http://127.0.0.1:8"], "name each of several servers"),
+    (["--server", "a=http://127.0.0.1:9", "--server", "a=http://127.0.0.1:8"], "same name"),
+    (["--server", "http://127.0.0.1:9", "-k", "3"], "-k is the server's setting"),
+    (["--server", "=http://x"], "expected URL or NAME=URL"),
+])
+def test_bad_server_options_are_one_line_before_any_connection(args, message):
+    result = run_cli("generate", *args, "--prompt", "hi")
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_an_unreachable_server_is_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_cli("generate", "--server", f"http://127.0.0.1:{port}", "--prompt", "hi")
+    assert result.exit_code == 1 and "cannot reach" in result.output and "Traceback" not in result.output
+
+
+def test_bench_compares_configurations_side_by_side(standin, tmp_path):
+    import remote_standin
+
+    plain = remote_standin.start()
+    try:
+        standin.script = [chunk(1, text="A"), chunk(2, 2, 2, text="B"), chunk(3, 2, 2, text="C"), finish_chunk(), chunk(4, 2, 2, usage=4)]
+        plain.script = [chunk(1, text="A"), chunk(2, text="B"), chunk(3, text="C"), finish_chunk(), chunk(4, usage=4)]
+        plain.slots_speculative = False
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"name": "one", "prompt": "hi"}\n{"name": "two", "prompt": "ho"}\n')
+        result = run_cli("bench", "--server", f"spec={standin.url}", "--server", f"plain={plain.url}", "--prompts", str(prompts),
+                         "--repeat", "2", "--out", str(tmp_path / "out"))
+        assert result.exit_code == 0, result.output
+        import json
+
+        data = json.loads((tmp_path / "out" / "results.json").read_text())
+        assert data["baseline"] == "plain" and len(data["runs"]) == 8
+        rows = {r["config"]: r for r in data["rows"]}
+        assert rows["spec"]["runs_reconciled"] == 4 and rows["spec"]["acceptance_rate"] == 1.0
+        assert rows["plain"]["median_ratio_to_baseline"] == 1.0 and rows["spec"]["same_text_as_baseline"] == 4
+        assert [r["config"] for r in data["runs"][:4]] == ["spec", "plain", "spec", "plain"]  # interleaved
+    finally:
+        plain.shutdown()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import UserError, load_models, mode_setting_options, mode_settings, model_options, user_errors
+from specchat.cli.options import (BadOption, UserError, load_models, mode_setting_options, mode_settings, model_options, parse_servers,
+                                  server_options, user_errors)
 from specchat.modes import MODES
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -174,6 +175,7 @@ def show_report(text: str) -> None:
 
 @click.command()
 @model_options
+@server_options
 @click.option("--modes", default=None, metavar="LIST", help=f"Comma-separated, from: {', '.join(MODES)}. Default: every mode that can run (draft with --draft). off always runs.")
 @click.option("--draft-len", "draft_lens", default="2,4,8", show_default=True, metavar="LIST", help="Draft lengths K to measure.")
 @click.option("--temperature", "temperatures", default="0", show_default=True, metavar="LIST", help="Temperatures, e.g. 0,0.7 (0 is greedy).")
@@ -187,7 +189,11 @@ def show_report(text: str) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder (default: a new timestamped folder under the user data folder's bench/).")
 @mode_setting_options
 def bench(**opts):
-    """Measure every mode against plain decoding on the same prompts, with quality checks."""
+    """Measure every mode against plain decoding on the same prompts, with quality checks. With --server: each
+    serving configuration (and, with --target, the local modes of --modes on the same model), side by side."""
+    if opts["servers"]:
+        bench_servers(opts)
+        return
     plan = make_plan(opts)
 
     from rich.console import Console
@@ -235,4 +241,61 @@ def bench(**opts):
         click.echo(note, err=True)
     if checks["greedy_identity"]["verdict"] == "fail" or any(v["verdict"] == "fail" for v in checks["distribution"]):
         click.echo("bench: quality check FAILED (see Checks in the report)", err=True)
+        sys.exit(1)
+
+
+def bench_servers(opts: dict) -> None:
+    """bench --server: specchat/bench/remote.py. Local modes run on the --target (a GGUF: on llama.cpp, as the
+    server runs it), each in a session of its own, between the servers' runs."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specchat.bench import remote as bench_remote
+    from specchat.engine.remote import RemoteError, connect
+    from specchat.engine.sampling_params import SamplingParams
+    from specchat.remote_session import RemoteSession
+    from specchat.store import bench_dir
+
+    temperatures = parse_list(opts["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)")
+    if len(temperatures) > 1:
+        raise BadOption("--server: one --temperature per run")
+    sampling = SamplingParams(temperatures[0], 0, 1.0)
+    if opts["modes"] and not opts["target"]:
+        raise BadOption("--server with --modes: the local modes need --target (the server's model file)")
+    prompts = read_prompts(opts["prompts_spec"])
+    out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S-servers")
+    console = Console(stderr=True)
+    configs = {}
+    try:
+        for name, url in parse_servers(opts["servers"]):
+            server = connect(url, name, timeout=min(opts["timeout"], 10.0))
+            if server.name in configs:
+                raise BadOption(f"--server: two configurations named {server.name}: name them, NAME=URL")
+            configs[server.name] = RemoteSession([server], sampling=sampling, seed=opts["seed"],
+                                                 max_new_tokens=opts["max_new_tokens"], timeout=opts["timeout"])
+    except RemoteError as e:
+        raise UserError(str(e)) from None
+    if opts["target"]:
+        from specchat.session import Session
+
+        modes = parse_list(opts["modes"] or "off", str, "--modes")
+        with user_errors():
+            target, draft, _, _ = load_models(opts, console)
+            for mode in modes:
+                if mode not in MODES:
+                    raise UserError(f"unknown mode {mode!r} in --modes; choose from {', '.join(MODES)}")
+                session = Session(target, draft, mode=mode, k=int(opts["draft_lens"].split(",")[0]), sampling=sampling,
+                                  seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], mode_options=mode_settings(opts))
+                configs[f"local-{mode}"] = session
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with user_errors(), Progress(*columns, console=console, transient=True) as progress:
+        steps = Steps(progress, len(configs) * len(prompts) * opts["repeat"])
+        runs = bench_remote.run_all(configs, prompts, opts["repeat"], steps)
+    summary = bench_remote.summarise(configs, runs)
+    how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
+    text = bench_remote.write(out_dir, summary, bench_remote.meta_for(opts, prompts, how), runs)
+    show_report(text)
+    click.echo(f"wrote {out_dir / 'report.md'}, {out_dir / 'results.json'}", err=True)
+    if any(r["runs_reconciled"] < r["runs"] for r in summary["rows"]):
+        click.echo("bench: some servers' steps did not match their counters (see the report)", err=True)
         sys.exit(1)
