@@ -15,7 +15,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from specchat.machine import hardware_info
+from specchat.machine import client_info, hardware_info
 from specchat.store import exports_dir, write_atomic
 
 FORMAT = "specchat-session/1"
@@ -54,6 +54,7 @@ def mode_summary(snapshot, mode: str) -> dict:
 
 def session_data(session) -> dict:
     """Everything an export holds, read under the session's lock so a streaming reply cannot tear it."""
+    remote = getattr(session, "servers", None) is not None
     with session.lock:
         snapshot = session.snapshot()
         turns = [(t, list(t.rounds), list(t.sampling)) for t in session.turns]
@@ -80,7 +81,9 @@ def session_data(session) -> dict:
         "dtype": session.dtype_label,
         "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py), "hf" or "llama.cpp"
         "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
-        "hardware": hardware_info(session.device_label, session.dtype_label),
+        # a serving engine's client knows its own machine only; the server's configuration is its own key
+        "hardware": client_info() if remote else hardware_info(session.device_label, session.dtype_label),
+        "server": asdict(session.server) if remote else None,
         "mode": snapshot.mode,
         "draft_len": snapshot.k,
         "sampling": asdict(snapshot.sampling),

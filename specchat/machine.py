@@ -18,6 +18,19 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def client_info() -> dict:
+    """The machine itself and its load, without torch: all a serving engine's client can say (the server's own
+    hardware is not sent), and the common part of hardware_info()."""
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "memory_gb": None, "load_average": None}
+    try:
+        info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except (ValueError, OSError, AttributeError):  # not on Linux/macOS
+        pass
+    return info
+
+
 def hardware_info(device: torch.device | str, dtype: torch.dtype | str | None = None) -> dict:
     """The machine, the libraries and the load it was under (one set of keys for exports and bench reports)."""
     import torch
@@ -26,27 +39,16 @@ def hardware_info(device: torch.device | str, dtype: torch.dtype | str | None = 
     from specchat import threads
 
     device = torch.device(device) if isinstance(device, str) and device else device
-    info = {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
+    return {
+        **client_info(),
         "torch_threads": torch.get_num_threads(),
         "threads_adaptive": threads.adaptive(),  # the count followed the machine's load during the run (threads.py)
-        "platform": platform.platform(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device) if device else None,
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "gpu": torch.cuda.get_device_name(device) if isinstance(device, torch.device) and device.type == "cuda" else None,
-        "memory_gb": None,
-        "load_average": None,
     }
-    try:
-        info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    except (ValueError, OSError, AttributeError):  # not on Linux/macOS
-        pass
-    return info
 
 
 def memory_mb(device: torch.device) -> float:

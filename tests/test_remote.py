@@ -288,3 +288,22 @@ def test_bench_compares_configurations_side_by_side(standin, tmp_path):
         assert [r["config"] for r in data["runs"][:4]] == ["spec", "plain", "spec", "plain"]  # interleaved
     finally:
         plain.shutdown()
+
+
+def test_an_export_of_a_remote_session_says_what_ran_and_nothing_invented(standin, tmp_path, monkeypatch):
+    import json
+
+    from specchat.export import write_export
+
+    monkeypatch.setenv(remote.API_KEY_ENV, "sk-secret-456")
+    standin.script = [chunk(1, text="A"), chunk(2, 2, 1, text="B"), chunk(3, 2, 1, text="C"), finish_chunk(), chunk(3, 2, 1, usage=3)]
+    session = session_for(standin.url)
+    list(session.reply("hi"))
+    json_path, csv_path = write_export(session, tmp_path / "x.json")
+    text = json_path.read_text()
+    data = json.loads(text)
+    assert data["config"]["server"]["url"] == standin.url and data["config"]["engine"] == "llama-server"
+    step = data["turns"][0]["rounds"][1]
+    assert (step["drafted"], step["accepted"], step["draft_s"], step["verify_s"]) == (2, 1, None, None)
+    assert [t["kind"] for t in step["tokens"]] == ["accepted", "resampled"] and step["tokens"][0]["p"] is None
+    assert "sk-secret" not in text and "sk-secret" not in csv_path.read_text()

@@ -35,7 +35,10 @@ from specchat.engine.events import RoundRecord, TokenEvent
 
 API_KEY_ENV = "SPECCHAT_API_KEY"  # sent as a bearer token when set; never printed, logged or exported
 CONNECT_TIMEOUT_S = 10.0
-UNKNOWN_ID = -1  # the chat endpoint sends text, not token ids
+UNKNOWN_ID = -1  # llama-server's chat endpoint sends text, not token ids
+# a server does not say how long it drafted or verified: a round's draft_s and verify_s are NaN (exported as null),
+# its wall_s is what the client measured (the time from the previous step's last token to this step's)
+UNKNOWN = math.nan
 
 
 class RemoteError(Exception):
@@ -345,9 +348,8 @@ class LlamaServerSteps:
         first = self.index == 0
         record = RoundRecord(
             index=self.index, mode=self.mode, draft_len=step.drafted,  # the server's K for this step is not sent
-            drafted=step.drafted, accepted=step.accepted, draft_calls=0, draft_s=0.0,
-            verify_s=0.0 if first else t - self.t_last, wall_s=0.0 if first else t - self.t_last,
-            prefill_s=t - self.t_start if first else 0.0, tokens=step.tokens,
+            drafted=step.drafted, accepted=step.accepted, draft_calls=0, draft_s=UNKNOWN, verify_s=UNKNOWN,
+            wall_s=0.0 if first else t - self.t_last, prefill_s=t - self.t_start if first else 0.0, tokens=step.tokens,
         )
         self.steps.append(step)
         self.t_last = t
@@ -413,7 +415,7 @@ class VllmSteps:
         drafted = 0 if not accepted else (self.k if self.k and self.k >= accepted else accepted + 1)
         record = RoundRecord(
             index=len(self.records), mode=self.mode, draft_len=drafted, drafted=drafted, accepted=accepted, draft_calls=0,
-            draft_s=0.0, verify_s=0.0 if first else t - self.t_last, wall_s=0.0 if first else t - self.t_last,
+            draft_s=UNKNOWN, verify_s=UNKNOWN, wall_s=0.0 if first else t - self.t_last,
             prefill_s=t - self.t_start if first else 0.0,
         )
         record.tokens = _label(record, ids, text)
