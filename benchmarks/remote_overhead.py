@@ -102,7 +102,7 @@ def main() -> None:
             ratios.append(pair["specchat"][1] / pair["bare"][1])
             rows.append(pair)
     print(f"tokens/s bare {statistics.median(p['bare'][1] for p in rows):.1f}, through specchat "
-          f"{statistics.median(p['specchat'][1] for p in rows):.1f}; specchat/bare median {statistics.median(ratios):.3f} "
+          f"{statistics.median(p['specchat'][1] for p in rows):.1f}; ratio (specchat over bare) median {statistics.median(ratios):.3f} "
           f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}, {len(ratios)} pairs)")
     print(f"reconstruction warnings: {len(session.warnings)} in {len(session.turns)} replies")
     times = [startup_s(args.server) for _ in range(args.startups)]
