@@ -37,11 +37,12 @@ def run_all(configs: dict, prompts: list[dict], repeat: int, steps) -> list[dict
 
 
 def baseline_of(configs: dict, runs: list[dict]) -> str:
-    """The configuration that never drafted (a plain server, or local off), else the first."""
-    for name in configs:
-        if all(r["stats"]["num_draft_tokens"] == 0 for r in runs if r["config"] == name):
-            return name
-    return next(iter(configs))
+    """A server that does not speculate (its /slots say so), else local mode off, else a configuration that never
+    drafted in this run (an n-gram drafter that found nothing), else the first."""
+    plain = [n for n, s in configs.items() if getattr(s, "server", None) is not None and s.server.speculative is None]
+    local_off = [n for n, s in configs.items() if getattr(s, "server", None) is None and s.mode == "off"]
+    never = [n for n in configs if all(r["stats"]["num_draft_tokens"] == 0 for r in runs if r["config"] == n)]
+    return (plain + local_off + never + list(configs))[0]
 
 
 def summarise(configs: dict, runs: list[dict]) -> dict:
