@@ -1,6 +1,6 @@
 """Build llama.cpp's llama-server once per machine and keep it in the user cache; print its path.
 
-    python scripts/build_llama_server.py        # ~10 minutes on 2 cores the first time, then instant
+    python scripts/build_llama_server.py        # 16 minutes on 2 busy cores the first time, then instant
 
 The source is the llama.cpp tree vendored in the llama-cpp-python source distribution that specchat pins
 (pyproject.toml), fetched from PyPI: the server speaks the same llama.cpp version as specchat's own engine, and

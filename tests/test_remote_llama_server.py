@@ -1,5 +1,5 @@
 """specchat against real llama-server processes: the pinned llama.cpp built by scripts/build_llama_server.py (once
-per machine, into the tests' cache: ~10 minutes on 2 cores the first time), serving the default model's GGUF on
+per machine, into the tests' cache: 16 minutes on 2 busy cores the first time), serving the default model's GGUF on
 127.0.0.1 as target and as draft, with an n-gram drafter, and without drafting."""
 
 from __future__ import annotations
