@@ -180,21 +180,22 @@ def default_export_path() -> Path:
     return exports_dir() / f"specchat-session-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def save_export(session, path: Path) -> str:
-    """Write the export to `path` and return one line saying where it went. Should that fail (the folder went
-    away, the disk is full), the session goes to a new file in the user data folder (store.exports_dir)
-    instead, and the line says so: a session is not lost to a bad path."""
+def save_export(session, path: Path) -> tuple[str, bool]:
+    """Write the export to `path`; return one line saying where it went, and whether the session was saved. Should
+    that fail (the folder went away, the disk is full), the session goes to a new file in the user data folder
+    (store.exports_dir) instead, and the line says so: a session is not lost to a bad path."""
     try:
         json_path, csv_path = write_export(session, path)
-        return f"session exported to {json_path} and {csv_path}"
+        return f"session exported to {json_path}, {csv_path} and {markdown_path(json_path)}", True
     except Exception as e:  # OSError mostly; whatever it was, the fallback below still saves the session
         why = _why(e)
     fallback = default_export_path()
     try:
         json_path, csv_path = write_export(session, fallback)
     except Exception as e:
-        return f"could not write the export to {path} ({why}) nor to {fallback} ({_why(e)}): the session was not saved"
-    return f"could not write the export to {path} ({why}); saved the session to {json_path} and {csv_path} instead"
+        return f"could not write the export to {path} ({why}) nor to {fallback} ({_why(e)}): the session was not saved", False
+    return (f"could not write the export to {path} ({why}); saved the session to {json_path}, {csv_path} and "
+            f"{markdown_path(json_path)} instead"), True
 
 
 def _why(e: Exception) -> str:

@@ -109,6 +109,9 @@ class RemoteSession(Conversation):
     def check_message(self, text: str) -> None:
         """The server knows its context length; a prompt too long comes back as its error."""
 
+    def check_fits(self, prompt) -> None:
+        """As check_message: the server's to say."""
+
     def token_text(self, token_id: int) -> str:
         return "" if token_id == remote.UNKNOWN_ID else f"<{token_id}>"
 

@@ -85,6 +85,7 @@ def test_empty_and_too_long_prompts():
     assert r.exit_code == 1 and "prompt is empty" in r.output
     r = invoke("generate", "--prompt", "word " * 9000, "--raw")
     assert r.exit_code == 1 and "has a context of 8192" in r.output and "Traceback" not in r.output
+    assert "draft accepted" not in r.output  # one line, no stream legend before it
 
 
 def test_mismatched_tokenizers_are_refused(tmp_path):

@@ -1,7 +1,10 @@
 """The fused small-batch linear (engine/smallbatch.py): F.linear's result, the same for a row whatever the
 batch, and F.linear itself wherever the kernel does not apply or cannot be built."""
 
+import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +154,46 @@ def test_a_fresh_build_loads(monkeypatch, tmp_path):
     x, w = torch.randn(1, 5, 40), torch.randn(24, 40)
     with torch.inference_mode():
         torch.testing.assert_close(smallbatch.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_row_does_not_depend_on_the_batch_at_an_odd_width(kind):
+    """The kernel's header promises a position's result whatever the number of rows; where D is not a multiple of
+    the vector width, the scalar tail must round the same way for every S too (an FMA contracted for some S and
+    not others broke that for bfloat16 and int8)."""
+    g = torch.Generator().manual_seed(4)
+    for n, d in ((1, 9), (3, 17), (64, 37), (5, 577)):
+        w, x = torch.randn(n, d, generator=g), torch.randn(1, smallbatch.MAX_ROWS, d, generator=g)
+        weights = {"float32": w, "bfloat16": smallbatch.draft_weights(w), "int8": smallbatch.Int8Weights.of(w)}[kind]
+        with torch.inference_mode():
+            full = smallbatch.linear(x, weights)
+            for s in range(1, smallbatch.MAX_ROWS + 1):
+                assert torch.equal(smallbatch.linear(x[:, :s], weights), full[:, :s]), (n, d, s)
+
+
+ODD_WIDTHS = """
+import sys, pathlib, torch
+from specchat.engine import smallbatch
+smallbatch.FLAGS[1] = sys.argv[1]
+assert smallbatch.load(pathlib.Path(sys.argv[2]))
+torch.set_num_threads(1)
+g, bad = torch.Generator().manual_seed(0), []
+with torch.inference_mode():
+    for n, d in ((3, 9), (64, 9), (5, 15), (3, 37), (64, 65)):
+        w, x = torch.randn(n, d, generator=g), torch.randn(1, smallbatch.MAX_ROWS, d, generator=g)
+        for kind, weights in (("float32", w), ("bfloat16", smallbatch.draft_weights(w)), ("int8", smallbatch.Int8Weights.of(w))):
+            full = smallbatch.linear(x, weights)
+            bad += [(n, d, kind, s) for s in range(1, smallbatch.MAX_ROWS) if not torch.equal(smallbatch.linear(x[:, :s], weights), full[:, :s])]
+print(bad)
+"""
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AMD tuning is an x86 flag")
+def test_the_tail_rounds_alike_for_every_row_count_when_tuned_for_amd(tmp_path):
+    """Built as an AMD machine builds it (-march=znver2), GCC contracted the scalar tail's multiply-add for some
+    row counts and not others (bfloat16 and int8 at widths not a multiple of 8): the tail is an explicit FMA now."""
+    out = subprocess.run([sys.executable, "-c", ODD_WIDTHS, "-march=znver2", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

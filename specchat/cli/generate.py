@@ -39,6 +39,7 @@ def generate(prompt, raw, fmt, **opts):
     interrupted, broken = False, None
     with user_errors():
         ids = session.raw_prompt(prompt) if raw else session.chat_prompt([*session.messages, {"role": "user", "content": prompt}])
+        session.check_fits(ids)  # now: a prompt too long is one line, before the stream's legend
         rounds = session.complete(ids)
         try:
             if fmt == "json":

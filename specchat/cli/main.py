@@ -22,6 +22,11 @@ from specchat.cli.tune import tune
 from specchat.cli.verify import verify
 
 
+# The chat's sampling when no option says otherwise, as chat apps do (Ollama, LM Studio): greedy decoding makes a
+# small model loop ("a mystic realm," fifteen times on the default model). generate, verify and bench stay greedy.
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+
+
 class SpecchatGroup(click.Group):
     """Bad option values are one line. Ctrl+C anywhere (loading, generating, writing a report) ends with one line and exit status 130, not a
     traceback or click's `Aborted!`. A command that has something to show first (generate's partial summary)
@@ -81,8 +86,13 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
         return
     if export_path is not None:
         check_export_path(export_path)
+    if theme is not None:
+        check_theme(theme)
     conversation = resume_latest() if resume else None  # before the models load: a missing one fails fast
     opts["mode"] = opts["mode"] or "auto"  # the chat's default: each round the mode measured fastest
+    for name, value in CHAT_SAMPLING.items():  # the chat samples unless told otherwise; exact either way
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
+            opts[name] = value
     session = load_session(opts)
 
     from specchat.history import ConversationLog
@@ -93,6 +103,17 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
         if opts.get("system"):
             session.set_system(opts["system"])
     run_chat(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
+
+
+def check_theme(name: str) -> None:
+    """--theme is checked before any model loads, and a wrong name lists the ones there are."""
+    from textual.theme import BUILTIN_THEMES
+
+    from specchat.tui.themes import load_themes
+
+    ours = list(load_themes().themes)
+    if name not in ours and name not in BUILTIN_THEMES:
+        raise BadOption(f"--theme {name}: no such theme; specchat's: {', '.join(ours)}; Textual's: {', '.join(BUILTIN_THEMES)}")
 
 
 def resume_latest():

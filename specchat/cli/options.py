@@ -133,9 +133,11 @@ def generation_options(f):
     return apply([
         click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Draft mode (default: auto in the chat; elsewhere draft if --draft is given, else off)."),
         click.option("-k", "--draft-len", type=click.IntRange(min=1), default=4, show_default=True, help="Draft tokens per round (K)."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+                     help="0 is greedy. Default: 0.7 in the chat, 0 in generate, verify and bench."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+                     help="Nucleus sampling (1 disables). Default: 0.9 in the chat, 1 elsewhere."),
         click.option("--seed", type=int, default=None, help="Makes sampling reproducible."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True),
         mode_setting_options,
@@ -173,6 +175,9 @@ def mode_settings(opts: dict) -> dict:
 
         path = Path(opts["head_file"]).expanduser()
         if not path.with_suffix(".safetensors").is_file():
+            if path.is_file():  # a file, but not a head's weights (nor beside them)
+                raise UserError(f"--head {opts['head_file']}: not a draft head (a .safetensors file from `specchat train-head`, "
+                                f"with its .json beside it)")
             raise UserError(f"--head {opts['head_file']}: no such file")
         out["head_file"] = str(path)  # a string: bench writes these options into results.json
     if opts.get("exit_layer") is not None:

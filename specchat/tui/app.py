@@ -7,6 +7,7 @@ is thread-safe and never blocks the decoder); the UI thread only draws.
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 from contextlib import closing
 from dataclasses import replace
@@ -112,14 +113,18 @@ class SpecChatApp(App):
         self.sub_title = self.title_line()
 
     def title_line(self) -> str:
-        """The header's second line: what runs the reply (the server configuration of a remote session)."""
+        """The header's second line: what runs the reply (the server configuration of a remote session), and how
+        it samples."""
         session = self.session
+        s = session.controls.sampling
+        sampling = "greedy" if s.greedy else f"T={s.temperature:g}" + (f" top-k {s.top_k}" if s.top_k else "") + (
+            f" top-p {s.top_p:g}" if s.top_p < 1 else "")
         if self.remote:
-            return f"{session.server.label} · {session.server.url}"
-        draft = f" + {session.draft.name}" if session.draft is not None else ""
+            return f"{session.server.label} · {session.server.url} · {sampling}"
+        draft = f" + {Path(session.draft.name).name}" if session.draft is not None else ""
         kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
         where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
-        return f"{session.target.name}{draft}" + (f" · {where}" if where else "")
+        return f"{Path(session.target.name).name}{draft}" + (f" · {where}" if where else "") + f" · {sampling}"
 
     # ------------------------------------------------------------------ setup
     def _setup_themes(self, name: str | None, dirs: list[Path] | None) -> None:
@@ -436,6 +441,7 @@ class SpecChatApp(App):
             return
         s = controls.sampling
         self.notify("Greedy decoding" if s.greedy else f"Sampling at temperature {s.temperature:g}", timeout=2)
+        self.sub_title = self.title_line()
         self.refresh_panel()
 
     def action_temperature(self, delta: float) -> None:
@@ -627,8 +633,12 @@ def run_chat(session: Session, *, theme: str | None = None, export_path: Path | 
     """Run the chat app on a loaded session, saving every turn (in a new conversation file unless one is given);
     on exit (also after a crash) write the export if asked."""
     app = SpecChatApp(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
+    saved = True
     try:
         app.run()
     finally:
         if export_path is not None:  # written even after a crash; an unwritable path falls back to the data folder
-            print(f"specchat: {save_export(session, Path(export_path))}")
+            line, saved = save_export(session, Path(export_path))
+            print(f"specchat: {line}", file=sys.stdout if saved else sys.stderr)
+    if not saved:  # neither the path nor the fallback took the export: not a success
+        raise SystemExit(1)

@@ -111,7 +111,10 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
 #pragma GCC unroll 16
             for (int s = 0; s < S; s++) {
                 float sum = hsum(acc[r][s]);
-                for (long t = d; t < D; t++) sum += w_at(w, (n + r) * D + t, kind) * x[s * D + t];
+                /* the tail past the last full vector: an explicit fused multiply-add, so it rounds the same
+                   for every S (left to the compiler, GCC contracted it for some S and not others with
+                   -march=znver2, and a row's result depended on how many rows came with it) */
+                for (long t = d; t < D; t++) sum = __builtin_fmaf(w_at(w, (n + r) * D + t, kind), x[s * D + t], sum);
                 /* one explicit fused multiply-add for int8: left to the compiler, whether it contracts the
                    scale and the bias into one (a rounding less) would depend on S */
                 const float bias = b ? b[n + r] : 0.0f;
