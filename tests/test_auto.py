@@ -110,15 +110,29 @@ def test_lookup_is_measured_per_length_of_its_match():
     assert auto.rates["lookup≥6"].rounds > 0 and auto.rates["lookup2"].rounds == 0
 
 
-def test_a_round_without_drafts_counts_as_plain():
+def test_a_round_without_drafts_counts_for_the_mode_that_ran_it():
     auto = scripted_auto()
-    auto.ran = "head"  # (its catching-up round is behind it)
+    auto.ran = auto.arm = "head"  # (its catching-up round is behind it)
     auto.observe(SimpleNamespace(mode="head", drafted=0, index=3, tokens=[1], expected_tokens=1.0, stop_reason=None,
-                                 draft_s=0.0, verify_s=0.01))
-    assert auto.rates["off"].rounds == 1 and auto.rates["head"].rounds == 0
+                                 draft_s=0.002, verify_s=0.01))
+    assert auto.rates["head"].rounds == 1 and auto.rates["off"].rounds == 0
     auto.observe(SimpleNamespace(mode="off", drafted=0, index=0, tokens=[1], expected_tokens=1.0, stop_reason=None,
                                  draft_s=0.0, verify_s=0.0))  # prefill's token
-    assert auto.rates["off"].rounds == 1
+    assert auto.rates["off"].rounds == 0
+
+
+def test_a_candidate_that_never_drafts_finishes_its_warm_up_and_loses():
+    """A head whose every proposal falls below p_min drafts nothing: each of its rounds is one token for its
+    attempt plus a step. Credited to off, its warm-up never ended and auto ran it for good."""
+    auto = scripted_auto()
+    chosen = []
+    for i in range(4 * WARMUP):
+        mode = auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), T1).name
+        chosen.append(mode)
+        auto.observe(SimpleNamespace(mode=mode, drafted=0, index=i + 1, tokens=[0], expected_tokens=1.0, stop_reason=None,
+                                     draft_s=0.003 if mode == "head" else 0.0, verify_s=0.01))
+    assert auto.rates["head"].rounds == WARMUP
+    assert chosen[-WARMUP:] == ["off"] * WARMUP and not auto.why.startswith("measuring")
 
 
 def test_estimates_are_kept_per_sampling_setting():

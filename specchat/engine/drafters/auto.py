@@ -9,8 +9,8 @@ What it measures: per mode and sampling setting (acceptance depends on the tempe
 engine time (draft + verify) over its recent rounds, exponentially weighted, so a change of load reaches the
 estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
-accept/reject draw that happened. A round that drafted nothing is a plain step whatever the mode, and counts
-for `off`. The first round of a drafter with a cache of its own (the head, quant, a draft model) after another
+accept/reject draw that happened. A round counts for the mode that ran it, also when it drafted nothing (a
+plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the head, quant, a draft model) after another
 mode ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens
 of 64 rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each
 round runs the best, except that a candidate not run for a while runs again (its wait doubles each time it
@@ -154,12 +154,12 @@ class AutoDrafter(Drafter):
         self.caught_up = self.arm if catching_up else None
         if catching_up:
             return  # its draft time includes feeding what it missed: not this mode's cost per round
-        if not record.drafted:
-            if record.index == 0:
-                return  # round 0 without drafts: its token came with the prefill, there is no step to time
-            arm = "off"  # a round without drafts is a plain step, whatever the mode
-        else:
-            arm = self.arm if record.mode == self.arm_mode.get(self.arm) else record.mode
+        if not record.drafted and record.index == 0:
+            return  # round 0 without drafts: its token came with the prefill, there is no step to time
+        # the arm that ran, credited with what it gave, drafts or none: a drafter that proposes nothing (a head
+        # below --adaptive's p_min) is a plain step at its own cost; counted for off, it never finished its warm-up
+        # and auto ran it forever
+        arm = self.arm if record.mode == self.arm_mode.get(self.arm) else record.mode
         if arm not in self.rates:
             return
         tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
