@@ -72,3 +72,32 @@ async def test_up_and_down_move_by_line_not_by_reply():
         assert reply.selected in [token for _, token in lines[2]]
         await pilot.press("up")
         assert reply.selected in [token for _, token in lines[1]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_selected_token_is_scrolled_into_view(size):
+    """After a reply taller than the chat, Home/End/up/down select tokens above and below the view: the chat
+    follows the selection, and the inspector (which takes room below the chat) never covers it."""
+    from helpers import REPLY
+
+    session = FakeSession(reply=REPLY * 30)
+    session.max_new_tokens = len(REPLY) * 12
+    app = RecordingApp(session)
+    async with app.run_test(size=size) as pilot:
+        await send(pilot, "go")
+        await wait_for(pilot, lambda: not app.generating)
+        reply = app.query_one(ReplyView)
+        conversation = app.query_one(Conversation)
+        assert reply.virtual_region.height > conversation.scrollable_content_region.height  # taller than the view
+
+        def visible() -> bool:
+            row = reply.virtual_region.y + reply.token_row(reply.selected)
+            top = conversation.scroll_offset.y
+            return top <= row < top + conversation.scrollable_content_region.height
+
+        conversation.focus()
+        for key in ("home", "down", "down", "end", "up", "home"):
+            await pilot.press(key)
+            await pilot.pause(0.05)
+            assert visible(), key

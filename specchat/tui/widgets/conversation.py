@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.geometry import Region, Spacing
 from textual.message import Message
 from textual.reactive import var
 
@@ -57,6 +58,19 @@ class Conversation(VerticalScroll, can_focus=True):
         reply, token = new
         reply.selected = token
         self.post_message(self.TokenSelected(reply, reply.tokens[token]))
+        self.call_after_refresh(self.reveal_selection)  # after the inspector has taken its place below the chat
+
+    def reveal_selection(self) -> None:
+        """Scroll the selected token's line into view (the inspector describes a token the user can see), with a
+        line of context around it; a long reply scrolls to the token, not to the reply's top."""
+        if self.selection is None:
+            return
+        reply, token = self.selection
+        row = reply.token_row(token)
+        if row is None:
+            return
+        where = reply.virtual_region
+        self.scroll_to_region(Region(where.x, where.y + row, where.width, 1), spacing=Spacing(1, 0, 1, 0), animate=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "clear_selection":  # while streaming Esc goes on to the app (stop the reply)
@@ -89,7 +103,6 @@ class Conversation(VerticalScroll, can_focus=True):
         here = next((n for n, (r, i) in enumerate(order) if r is reply and i >= token), 0)
         target = order[max(0, min(len(order) - 1, here + delta))]
         self.select(*target)
-        target[0].scroll_visible()
 
     def action_line(self, delta: int) -> None:
         """The token on the line above or below, nearest the same column; across replies at their edges."""
@@ -116,7 +129,6 @@ class Conversation(VerticalScroll, can_focus=True):
             target = lines[0] if delta > 0 else lines[-1]
         nearest = min(target, key=lambda xt: (abs(xt[0] - x), xt[0]))
         self.select(reply, nearest[1])
-        reply.scroll_visible()
 
     def action_edge(self, which: int) -> None:
         reply = self.selection[0] if self.selection else (self.replies or [None])[-1]

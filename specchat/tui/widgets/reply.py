@@ -136,6 +136,14 @@ class ReplyView(Widget):
                 lines.append(line)
         return lines
 
+    def token_row(self, token: int) -> int | None:
+        """The line on screen (from the widget's top) where `token` is drawn."""
+        for row, strip in enumerate(self.render_lines(Region(0, 0, self.size.width, self.size.height))):
+            for segment in strip:
+                if segment.style and (segment.style.meta.get("@click") or "") == f"select_token({token})":
+                    return row
+        return None
+
     def action_select_token(self, token: int) -> None:
         self.post_message(self.Selected(self, token))
 
