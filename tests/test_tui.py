@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -495,3 +497,26 @@ async def test_warnings_and_prints_go_to_the_log_view_not_the_screen():
             assert text in lines
         await pilot.press("f12")
         assert isinstance(app.screen, LogScreen)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+async def test_a_kill_or_a_closed_terminal_saves_the_partial_reply_and_exits_cleanly(sig, tmp_path):
+    """SIGTERM / SIGHUP mid-reply: the reply stops after its round, the turn is saved with what was generated,
+    and the app exits normally (restoring the terminal) with status 128 + the signal; a queued message is not sent."""
+    from specchat.history import ConversationLog
+
+    session = FakeSession(gated=True)
+    log = ConversationLog(tmp_path / "conversation.json")
+    app = RecordingApp(session, conversation=log)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "go")
+        session.release(2)
+        await wait_for(pilot, lambda: rounds_shown(app) == 2)
+        await send(pilot, "queued meanwhile")
+        os.kill(os.getpid(), sig)
+        await wait_for(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 128 + sig
+    saved = json.loads((tmp_path / "conversation.json").read_text())
+    assert len(saved["turns"]) == 1 and saved["turns"][0]["reply"] == session.turns[0].reply != ""
+    assert saved["turns"][0]["stop_reason"] == "stopped" and len(session.turns) == 1

@@ -6,7 +6,9 @@ is thread-safe and never blocks the decoder); the UI thread only draws.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import sys
 import traceback
 from contextlib import closing
@@ -46,6 +48,8 @@ if TYPE_CHECKING:  # the app runs on a local Session or a RemoteSession (which n
 REPLY_INTERVAL_S = 0.1
 PANEL_INTERVAL_S = 0.3
 K_RANGE = (1, 16)
+QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+SIGNAL_SAVE_WAIT_S = 5.0  # how long a signal's exit waits for the reply's round to end and its turn to be saved
 TEMPERATURE_STEP = 0.1
 
 
@@ -71,6 +75,7 @@ class SpecChatApp(App):
     show_rejected = var(False, init=False)  # ctrl+r: rejected drafts inline
     panel_toggled = var(False, init=False)  # ctrl+t: wide terminals hide the panel, narrow ones show it instead of the chat
     show_markdown = var(False, init=False)  # ctrl+o: finished replies as Markdown instead of coloured tokens
+    quitting = False  # a signal asked the app to end: no queued message is sent any more
 
     def __init__(
         self,
@@ -170,8 +175,25 @@ class SpecChatApp(App):
         route_transformers_logging(to_root=True)
         for notice in self.startup_notices:
             self.warn(notice)
+        loop = asyncio.get_running_loop()
+        for sig in QUIT_SIGNALS:  # a terminal closed or a `kill`: end as ctrl+q does, saving the reply in progress
+            loop.add_signal_handler(sig, lambda sig=sig: self.run_worker(self.quit_on_signal(sig), group="signal"))
+
+    async def quit_on_signal(self, sig: int) -> None:
+        """Stop the reply (the decoder's thread saves the turn with its partial reply, as Esc does), wait for that
+        save, then exit normally, which restores the terminal; exit status 128 + the signal, as shells report it."""
+        self.quitting = True
+        if self.generating:
+            self.workers.cancel_group(self, "reply")
+            deadline = asyncio.get_running_loop().time() + SIGNAL_SAVE_WAIT_S
+            while self.generating and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+        self.exit(return_code=128 + sig)
 
     def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in QUIT_SIGNALS:
+            loop.remove_signal_handler(sig)
         if self._log_handler is not None:
             logging.getLogger().removeHandler(self._log_handler)
             logging.captureWarnings(False)
@@ -267,7 +289,7 @@ class SpecChatApp(App):
 
     def send_queued(self) -> None:
         """After a reply: send the oldest queued message (one that no longer fits is marked and skipped)."""
-        while self.queued and not self.generating:
+        while self.queued and not self.generating and not self.quitting:
             text, view = self.queued.pop(0)
             try:
                 self.session.check_message(text)
@@ -642,3 +664,5 @@ def run_chat(session: Session, *, theme: str | None = None, export_path: Path | 
             print(f"specchat: {line}", file=sys.stdout if saved else sys.stderr)
     if not saved:  # neither the path nor the fallback took the export: not a success
         raise SystemExit(1)
+    if app.return_code:  # ended by SIGTERM or SIGHUP (after saving): 128 + the signal
+        raise SystemExit(app.return_code)
