@@ -277,3 +277,24 @@ def test_new_keys_do_not_clash_and_stay_out_of_the_80_column_footer():
     keys = all_keys(MODES)
     assert len(keys) == len(set(keys))
     assert {"copy_reply", "toggle_markdown"} <= set(ACTION_KEYS) and {"copy_reply", "toggle_markdown"} <= NOT_IN_FOOTER
+
+
+@pytest.mark.asyncio
+async def test_the_first_reply_of_a_resumed_conversation_says_it_reads_the_earlier_messages(tmp_path):
+    """Its first round waits for the whole conversation to be encoded: the reply says why, until it starts."""
+    first = FakeSession()
+    list(first.reply("earlier question"))
+    session = FakeSession(gated=True)
+    session.restore(first.messages)
+    app = RecordingApp(session)
+    async with app.run_test(size=SIZE) as pilot:
+        app.query_one("#prompt", Input).value = "next"
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        reply = app.query_one(ReplyView)
+        assert reply.status == "reading the 2 earlier messages first…"
+        session.release(1)
+        await wait_for(pilot, lambda: reply.tokens)
+        assert reply.status == ""
+        session.release(100)
+        await wait_for(pilot, lambda: not app.generating)

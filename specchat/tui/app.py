@@ -282,6 +282,9 @@ class SpecChatApp(App):
             conversation.mount(view)
         view.queued = False
         self.reply_view = ReplyView(len(self.session.turns)).data_bind(SpecChatApp.show_rejected)
+        earlier = len(self.session.messages) - (self.session.system is not None)
+        if earlier and not self.session.turns:  # a resumed conversation: its first reply encodes all of it first
+            self.reply_view.status = f"reading the {earlier} earlier messages first…"
         conversation.mount(self.reply_view, after=view)  # before any message queued after this one
         conversation.anchor()
         self.generating = True
@@ -334,6 +337,8 @@ class SpecChatApp(App):
         record = message.record
         self.snapshot = message.snapshot
         if self.reply_view is not None:
+            if record.index == 0 and self.reply_view.status:
+                self.reply_view.status = ""  # the earlier messages are read
             rejected = [self.session.token_text(t) for t in record.rejected]
             self.reply_view.add_round(record, rejected)
             if self._reply_timer is None:
