@@ -336,10 +336,34 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
     Embedding matrices may be padded to different sizes (Qwen does this); the tokenizers must match.
     """
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    check_same_vocab(target.name, target.tokenizer, draft.name, draft.tokenizer)
+
+
+def check_same_vocab(target_name: str, target_tokenizer, draft_name: str, draft_tokenizer) -> None:
+    tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if tv != dv:
         differ = len(set(tv.items()) ^ set(dv.items()))
         raise ModelError(
-            f"target {target.name} and draft {draft.name} have different tokenizers "
+            f"target {target_name} and draft {draft_name} have different tokenizers "
             f"({len(tv)} vs {len(dv)} tokens, {differ} entries differ); speculation needs a shared vocabulary"
         )
+
+
+def load_tokenizer(spec: str | None, *, trust_remote_code: bool = False, download: bool = False):
+    """The tokenizer alone, without the weights (nor a GGUF file's conversion), so a --draft is compared with the
+    target in a second instead of after both models load; None where it cannot be read here (loading the model
+    then says why, in its own words)."""
+    from transformers import AutoTokenizer
+
+    try:
+        if spec is None or Path(spec).expanduser().suffix == ".gguf":
+            path = default_gguf() if spec is None else Path(spec).expanduser()
+            return gguf_tokenizer(path) if path.is_file() else None
+        name, source = resolve(spec)
+        local_only = source == spec and not Path(spec).exists() and not download
+        with quiet_hub():
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=local_only)
+    except Exception as e:
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        return None

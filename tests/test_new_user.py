@@ -90,3 +90,15 @@ def test_an_export_names_all_three_files(tmp_path):
     list(session.reply("hi"))
     line, saved = save_export(session, tmp_path / "s.json")
     assert saved and "s.json" in line and "s.csv" in line and "s.md" in line
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    from helpers import tiny_model_dir
+    from specchat import models
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model was loaded before the vocabularies were compared")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    r = invoke("generate", "--prompt", "hi", "--draft", tiny_model_dir(tmp_path / "tiny"))
+    assert r.exit_code == 1 and "have different tokenizers" in r.output and "Traceback" not in r.output

@@ -211,8 +211,13 @@ def load_models(opts: dict, console):
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
     threads.set_threads(opts.get("threads"))
-    from specchat.models import check_same_tokenizer, load_model, pick_device, pick_dtype, pick_engine
+    from specchat.models import check_same_tokenizer, check_same_vocab, load_model, load_tokenizer, pick_device, pick_dtype, pick_engine
 
+    if opts.get("draft"):  # the vocabularies first: a mismatch is one line in a second, not after both models load
+        tokenizers = [load_tokenizer(spec, trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
+                      for spec in (opts["target"], opts["draft"])]
+        if None not in tokenizers:
+            check_same_vocab(opts["target"] or "SmolLM2-135M-Instruct (default)", tokenizers[0], opts["draft"], tokenizers[1])
     device = pick_device(opts["device"])
     dtype = pick_dtype(opts["dtype"], device)
     engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
