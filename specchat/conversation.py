@@ -50,6 +50,9 @@ class Snapshot:
     max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
     choice: str | None = None  # mode auto: the mode of its latest round
     why: str | None = None  # and why (the rates it compared)
+    # per mode, the plain rounds run in-band among its rounds: its speedup compares with these (same window, same
+    # load, same context lengths), not with plain rounds from another time
+    plain_for: dict[str, Stats] = field(default_factory=dict)
     server: str | None = None  # a remote session: the engine, model and speculative method the server reported
     warnings: tuple[str, ...] = ()  # a remote session: where the reconstructed steps did not add up to the server's counters
 
@@ -89,8 +92,10 @@ class Conversation:
         # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
         self.lock = threading.RLock()
         self.notices: list[str] = []  # said once to the user at start (the chat shows them as warnings)
+        self.plain_for: dict[str, Stats] = {}  # mode -> the in-band plain rounds among its rounds (Snapshot.plain_for)
 
     _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
+    _last_mode: str | None = None  # the drafting mode of the latest round that drafted under one
 
     @property
     def mode(self) -> str:
@@ -133,6 +138,10 @@ class Conversation:
                     if self._plain is None:
                         self._plain = deque(maxlen=BASELINE_ROUNDS)
                     self._plain.append((time.monotonic(), record))
+                    if self.mode != "off" and self._last_mode is not None:  # in-band: the baseline of the mode around it
+                        self.plain_for.setdefault(self._last_mode, Stats()).add(record)
+                elif record.mode != "off":
+                    self._last_mode = record.mode
             self._after_round()
             yield record
 
@@ -157,6 +166,7 @@ class Conversation:
                 reply=self.turns[-1].stats.copy() if self.turns else Stats(),
                 recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
                 baseline=Baseline.of(self._plain or ()),
+                plain_for={mode: s.copy() for mode, s in self.plain_for.items()},
                 max_draft=getattr(controls.drafter, "max_draft", None),
                 choice=getattr(controls.drafter, "choice", None),
                 why=getattr(controls.drafter, "why", None),

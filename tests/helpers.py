@@ -267,7 +267,7 @@ class FakeSession(Session):
         self._drafters = {}
         self.slow_modes, self.build_gate = set(slow_modes), threading.Event()  # slow drafters wait for build_gate
         self.controls = Controls(self.drafter(mode), k=k, sampling=SamplingParams(temperature=0.0))
-        self.messages, self.turns, self.stats = [], [], {}
+        self.messages, self.turns, self.stats, self.plain_for = [], [], {}, {}
         self._history = None
         self.lock = threading.RLock()
         self.eos_ids = {EOS}

@@ -60,3 +60,66 @@ def test_merge_equals_counting_everything_once():
         assert merged.summary()[key] == (pytest.approx(value) if isinstance(value, float) else value), key
     assert merged.first_token_s == both.first_token_s
     assert PLAIN.summary()["num_draft_tokens"] == 0  # merge made a new object
+
+
+# ---------------------------------------------------------------- the panel's figures, hand-worked (issue 27 item 1)
+
+
+def rec(index, mode, drafted, accepted, emitted, wall_s, draft_s=0.0):
+    from specchat.engine.events import RoundRecord
+
+    r = RoundRecord(index=index, mode=mode, draft_len=drafted, drafted=drafted, accepted=accepted, draft_calls=1 if drafted else 0,
+                    draft_s=draft_s, verify_s=wall_s - draft_s, wall_s=wall_s)
+    from specchat.engine.events import TokenEvent
+
+    r.tokens = [TokenEvent(id=1, text="x", kind="target", round=index, position=1, p=1.0, q=None, accept_prob=None)] * emitted
+    return r
+
+
+def test_tokens_per_s_leaves_out_each_generations_first_round():
+    """Round 0's token came with the prefill (a plain round 0 costs ~nothing): counted, it made plain decoding
+    look 1.03-1.32x faster than itself. Two generations of 1 + 2 plain rounds at 10 ms a token: 100 tok/s."""
+    stats = Stats.of([rec(0, "off", 0, 0, 1, 0.0001), rec(1, "off", 0, 0, 1, 0.01), rec(2, "off", 0, 0, 1, 0.01),
+                      rec(0, "off", 0, 0, 1, 0.0001), rec(1, "off", 0, 0, 1, 0.01), rec(2, "off", 0, 0, 1, 0.01)])
+    assert stats.tokens_per_s == pytest.approx(100.0) and stats.ms_per_token == pytest.approx(10.0)
+    assert stats.new_tokens == 6 and stats.first_round_tokens == 2
+
+
+def test_draft_time_is_per_round_that_drafted():
+    """3 rounds, one of them drafting 4 tokens in 8 ms: 8 ms per drafting round, not 2.7."""
+    stats = Stats.of([rec(1, "lookup", 4, 2, 3, 0.02, 0.008), rec(2, "lookup", 0, 0, 1, 0.01), rec(3, "lookup", 0, 0, 1, 0.01)])
+    assert stats.draft_ms_per_round == pytest.approx(8.0)
+
+
+def conversation_with(records_and_modes):
+    """Rounds through the real bookkeeping (Conversation._record), each with the mode the user had selected."""
+    from types import SimpleNamespace
+
+    from specchat.conversation import Conversation, Turn
+
+    conv = Conversation(max_new_tokens=100)
+    conv.controls = SimpleNamespace(mode="off", k=4, sampling=SamplingParams(0.0), rule=SimpleNamespace(name="exact", exact=True), drafter=None)
+    turn = Turn(user="", prompt_tokens=0)
+    for selected, record in records_and_modes:
+        conv.controls.mode = selected
+        list(conv._record(iter([record]), turn))
+    return conv
+
+
+def test_a_mode_is_measured_against_the_plain_rounds_of_its_own_window():
+    """Lookup: 2 tokens per 10 ms round, with in-band plain rounds at 10 ms among them -> 2.00x. Later the user
+    runs mode off with the context grown (20 ms steps): lookup's ratio does not drift; off itself is 1.00."""
+    from specchat.tui.widgets.panel import speedup_against_plain
+
+    lookup = [("lookup", rec(i, "lookup", 2, 1, 2, 0.01)) for i in range(1, 11)]
+    inband = [("lookup", rec(11 + i, "off", 0, 0, 1, 0.01)) for i in range(3)]
+    later_off = [("off", rec(i, "off", 0, 0, 1, 0.02)) for i in range(1, 6)]
+    conv = conversation_with(lookup[:5] + inband[:1] + lookup[5:] + inband[1:] + later_off)
+    snap = conv.snapshot()
+    ratio, plain = speedup_against_plain(snap, "lookup")
+    assert ratio == pytest.approx(2.0) and plain.rounds == 3
+    assert speedup_against_plain(snap, "off")[0] == 1.0
+    from specchat.engine.metrics import enough
+
+    assert enough(snap.stats["lookup"], plain)
+    assert not enough(Stats.of([rec(1, "lookup", 2, 1, 2, 0.01)]), plain)  # one round: a hint, shown greyed

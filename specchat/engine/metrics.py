@@ -33,6 +33,10 @@ class Stats:
     decode_s: float = 0.0  # wall time of every round (what tokens/s divides by)
     prefill_s: float = 0.0
     first_token_s: list[float] = field(default_factory=list)  # one per generation: prefill + first round
+    # the first round of each generation: its token came with the prefill (a plain first round costs nothing),
+    # so tokens/s and ms/token leave it out, as the baseline of plain rounds does
+    first_round_tokens: int = 0
+    first_round_s: float = 0.0
     exact: bool = True  # every round used an exact acceptance rule
 
     def add(self, r: RoundRecord) -> None:
@@ -55,6 +59,8 @@ class Stats:
         self.prefill_s += r.prefill_s
         if r.index == 0:
             self.first_token_s.append(r.prefill_s + r.wall_s)
+            self.first_round_tokens += r.emitted
+            self.first_round_s += r.wall_s
         self.exact = self.exact and r.exact
 
     @classmethod
@@ -114,11 +120,14 @@ class Stats:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return _ratio(self.new_tokens, self.decode_s)
+        """Decoding speed: the tokens of every round but each generation's first, over those rounds' wall time
+        (the first token is the prefill's: time_to_first_token_s). One definition for the panel, generate, bench
+        and the export."""
+        return _ratio(self.new_tokens - self.first_round_tokens, self.decode_s - self.first_round_s)
 
     @property
     def ms_per_token(self) -> float | None:
-        return _ratio(1000 * self.decode_s, self.new_tokens)
+        return _ratio(1000 * (self.decode_s - self.first_round_s), self.new_tokens - self.first_round_tokens)
 
     @property
     def time_to_first_token_s(self) -> float | None:
@@ -126,7 +135,8 @@ class Stats:
 
     @property
     def draft_ms_per_round(self) -> float | None:
-        return _ratio(1000 * self.draft_s, self.rounds)
+        """Per round that drafted (a lookup round without a match, or an in-band plain round, drafts nothing)."""
+        return _ratio(1000 * self.draft_s, self.num_drafts)
 
     @property
     def verify_ms_per_round(self) -> float | None:
@@ -216,7 +226,17 @@ class Baseline:
 
 
 def measured_speedup(stats: Stats | None, plain: Stats | Baseline | None) -> float | None:
-    """tokens/s of a mode over tokens/s of plain decoding."""
+    """tokens/s of a mode over tokens/s of plain decoding (pass the plain rounds of the same window: the ones
+    interleaved with the mode's, Snapshot.plain_for)."""
     if stats is None or plain is None or not stats.tokens_per_s or not plain.tokens_per_s:
         return None
     return stats.tokens_per_s / plain.tokens_per_s
+
+
+MIN_ROUNDS = 10  # fewer drafting rounds than this, or fewer plain rounds than MIN_PLAIN: a figure is shown greyed
+MIN_PLAIN = 3
+
+
+def enough(stats: Stats | None, plain: Stats | None = None) -> bool:
+    """Whether a mode's figures (and their plain baseline's) rest on enough rounds to be shown as more than a hint."""
+    return stats is not None and stats.rounds >= MIN_ROUNDS and (plain is None or plain.rounds >= MIN_PLAIN)

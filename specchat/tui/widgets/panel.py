@@ -10,7 +10,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
 from specchat.conversation import Snapshot
-from specchat.engine.metrics import Stats, measured_speedup
+from specchat.engine.metrics import Stats, enough, measured_speedup
 from specchat.fmt import fixed as fmt
 from specchat.fmt import pct
 from specchat.modes import MODES
@@ -121,9 +121,9 @@ def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | 
     """Every mode: its key, acceptance, speed, and speed over the plain baseline (measured, recent)."""
     stats, current = snapshot.stats, snapshot.mode
     remote = snapshot.server is not None
-    plain = stats.get(remote_plain(snapshot)) if remote else snapshot.baseline or stats.get("off")
-    table = Table(box=None, padding=(0, 1), show_edge=False)
-    for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"), ("×plain" if remote else "×off", "right")):
+    table = Table(box=None, padding=(0, 1, 0, 0), show_edge=False)  # one space between columns: 80 columns fit
+    for name, justify in (("", "left"), ("mode", "left"), ("acc", "right"), ("tok/s", "right"),
+                          ("×plain" if remote else "×off", "right"), ("n", "right")):  # n: the rounds it rests on
         table.add_column(name, justify=justify, no_wrap=True)
     keys = {mode: key_label(key) for mode, key in mode_keys(modes).items()}
     for mode in modes:
@@ -134,14 +134,31 @@ def modes_table(snapshot: Snapshot, unavailable: dict[str, str], pending: str | 
             continue
         s = stats.get(mode)
         style = "bold" if mode == current else ""
+        ratio, plain = speedup_against_plain(snapshot, mode)
+        few = "dim" if s is not None and not enough(s, plain) else ""  # a hint, not yet a measurement
         table.add_row(
             Text(key, style="dim"),
             Text(f"{marker}{mode}", style=style),
-            pct(s.acceptance_rate) if s else "",
-            fmt(s.tokens_per_s, ".1f") if s else "",
-            fmt(measured_speedup(s, plain), ".2f") if s else "",
+            Text(pct(s.acceptance_rate), style=few) if s else "",
+            Text(fmt(s.tokens_per_s, ".1f"), style=few) if s else "",
+            Text(fmt(ratio, ".2f"), style=few) if s else "",
+            Text(str(s.rounds), style="dim") if s else "",
         )
     return table
+
+
+def speedup_against_plain(snapshot: Snapshot, mode: str) -> tuple[float | None, Stats | None]:
+    """A mode's measured speedup and the plain rounds it is measured against: the plain rounds of the same window
+    (run in-band among its rounds; on a server, a configuration that does not draft). Plain decoding is 1.00 by
+    definition. One definition for the table and the speedup line."""
+    stats = snapshot.stats
+    if snapshot.server is not None:
+        plain = stats.get(remote_plain(snapshot))
+        return (1.0 if mode == remote_plain(snapshot) else measured_speedup(stats.get(mode), plain)), plain
+    if mode == "off":
+        return (1.0 if mode in stats else None), None
+    plain = snapshot.plain_for.get(mode)
+    return measured_speedup(stats.get(mode), plain), plain
 
 
 class StatsPanel(VerticalScroll, can_focus=False):
@@ -226,13 +243,17 @@ class StatsPanel(VerticalScroll, can_focus=False):
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
         value, why = estimate_speedup(snapshot, mode)
-        measured = measured_speedup(stats.get(mode), snapshot.baseline or stats.get("off"))
+        measured, plain = speedup_against_plain(snapshot, mode)
+        few = not enough(stats.get(mode), plain)
         speed = Text()
-        speed.append("–" if value is None else f"{value:.2f}×", style="bold")
-        speed.append(" predicted")
+        speed.append("–" if value is None else f"{value:.2f}×", style="dim" if few else "bold")
+        speed.append(" predicted", style="dim" if few else "")
         if measured is not None and mode != "off":
-            speed.append(f"   {measured:.2f}×", style="bold")
-            speed.append(" measured")
+            speed.append(f"   {measured:.2f}×", style="dim" if few else "bold")
+            speed.append(" measured", style="dim" if few else "")
+        if mode != "off" and stats.get(mode) is not None:
+            counts = f"{stats[mode].rounds} rounds" + (f" vs {plain.rounds} plain among them" if plain else ", no plain round among them yet")
+            speed.append(f" ({counts}{', too few to go by' if few else ''})", style="dim")
         speed.append(f"\n{why}", style="dim")
         if snapshot.baseline is not None:
             speed.append("\n").append_text(baseline_text(snapshot))
@@ -263,7 +284,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
         plain = remote_plain(snapshot)
-        measured = measured_speedup(stats.get(mode), stats.get(plain)) if plain else None
+        measured, _ = speedup_against_plain(snapshot, mode)
         speed = Text()
         if measured is not None and plain != mode:
             speed.append(f"{measured:.2f}×", style="bold").append(f" measured against {plain}")
