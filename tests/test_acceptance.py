@@ -127,3 +127,27 @@ def test_greedy_rule_is_argmax_matching():
     assert verdict.accepted == 1 and verdict.next_token == 2
     verdict = EXACT(torch.tensor([1, 2]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), p, None, greedy=True)
     assert verdict.accepted == 2 and verdict.next_token == 0  # all accepted: the bonus is p's argmax
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.0, 1.6])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (0, 0.5), (20, 1.0), (20, 0.8), (3, 0.95)])
+def test_warping_matches_transformers_warpers(temperature, top_k, top_p):
+    """p and q are warped by one function, so a bug that changes both alike (the order of temperature, top-k and
+    top-p) is invisible to the distribution tests: check it against an independent reference, transformers' own
+    warpers in the order its generate() applies them (temperature, top-k, top-p), at T != 1 with top-p too."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(int(100 * temperature) + 7 * top_k + int(100 * top_p))
+    logits = torch.randn(4, 300, generator=g) * 3  # [rows, V]
+    reference = logits.clone()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    for warper in warpers:
+        reference = warper(None, reference)
+    expected = torch.softmax(reference, dim=-1)
+    got = logits_to_probs(logits, SamplingParams(temperature, top_k, top_p))
+    assert torch.equal(got > 0, expected > 0)  # the same tokens kept
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
