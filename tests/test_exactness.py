@@ -248,3 +248,27 @@ def test_token_events_carry_the_real_p_q_and_acceptance(tiny_target, tiny_draft)
                 assert t.accept_prob == pytest.approx(min(1.0, t.p / t.q), abs=1e-5)
             ids.append(t.id)
     assert {"accepted", "resampled", "bonus"} <= kinds
+
+
+class ColderDraft(ModelDrafter):
+    """Exact but wasteful: drafts from, and reports, q at half the session's temperature. The distribution tests
+    cannot see it (every q it reports is the q it drew from); the acceptance it loses can."""
+
+    def next_logits(self, feed, vocab_size):
+        return super().next_logits(feed, vocab_size) / 0.5
+
+
+@pytest.mark.parametrize("drafter_class, accepts_all", [(ModelDrafter, True), (ColderDraft, False)])
+def test_a_model_drafting_for_itself_accepts_every_draft_when_sampling(tiny_target, drafter_class, accepts_all):
+    """The target as its own draft at T=0.7, top-p 0.9: q = p at every position, so every draft is accepted with
+    probability 1 (up to the rounding of a batched verify); the colder drafter is the control that must fall short."""
+    _, records = run(tiny_target, drafter_class(tiny_target), PROMPT, k=4, params=SamplingParams(0.7, 0, 0.9),
+                     max_new_tokens=60, seed=5)
+    drafted = sum(r.drafted for r in records)
+    accepted = sum(r.accepted for r in records)
+    expected = sum(r.expected_tokens - 1 for r in records if r.drafted)  # sum of cumulative acceptance probabilities
+    assert drafted >= 40
+    if accepts_all:
+        assert accepted == drafted and expected == pytest.approx(drafted, rel=1e-3)
+    else:
+        assert accepted < 0.9 * drafted
