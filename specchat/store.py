@@ -90,10 +90,15 @@ def atomic_path(path: Path) -> Iterator[Path]:
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over `path`."""
     with atomic_path(path) as tmp:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(tmp, text)
+
+
+def write_file(path: Path, text: str) -> None:
+    """`text` to `path`, flushed to disk (the content an atomic rename then publishes)."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------- per-model settings found by `specchat tune`

@@ -89,3 +89,36 @@ def test_a_directory_written_first_by_another_process_is_kept(tmp_path):
             theirs.mkdir()
             (theirs / "config.json").write_text("theirs")
     assert (out / "config.json").read_text() == "theirs" and os.listdir(tmp_path) == ["model"]
+
+
+@pytest.mark.parametrize("fail", ["write", "rename"])
+def test_an_export_that_fails_leaves_the_previous_export_intact_and_no_stray_files(tmp_path, monkeypatch, fail):
+    """write_export's own path: the disk fills while the CSV is written, or the first rename fails: the previous
+    JSON, CSV and Markdown are byte for byte what they were, and nothing else is left in the folder."""
+    first = FakeSession()
+    list(first.reply("first"))
+    json_path, csv_path = write_export(first, tmp_path / "s.json")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert set(before) == {"s.json", "s.csv", "s.md"}
+
+    second = FakeSession()
+    list(second.reply("second"))
+    list(second.reply("third"))
+    if fail == "write":  # the second file written (the CSV) cannot be flushed: the disk is full
+        calls = []
+
+        def fsync(fd):
+            calls.append(fd)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(store.os, "fsync", fsync)
+    else:
+        def no_rename(src, dst):
+            raise OSError(13, "Permission denied")
+
+        monkeypatch.setattr(store.os, "replace", no_rename)
+    with pytest.raises(OSError):
+        write_export(second, tmp_path / "s.json")
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after == before
