@@ -108,3 +108,32 @@ async def test_ctrl_s_while_a_reply_streams_exports_the_partial_reply(tiny, tmp_
     assert turn["reply"] == "".join(t["text"] for r in rounds for t in r["tokens"])  # consistent with its rounds
     assert data["summary"]["total"]["rounds"] == len(rounds)  # summary taken with the same rounds
     assert sum(r["emitted"] for r in rounds) == data["summary"]["total"]["new_tokens"] == turn["new_tokens"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stop", ["escape", "sigterm"])
+async def test_a_real_reply_stopped_mid_stream_is_saved_with_its_partial_reply(tiny, tmp_path, stop):
+    """The real engine keeps generating until the loop breaks (unlike a scripted fake that ends by itself): Esc,
+    or a SIGTERM, mid-reply saves the conversation with the partial reply as its last message."""
+    import os
+    import signal
+
+    from specchat.history import ConversationLog
+
+    session = session_for(tiny)
+    log = ConversationLog(tmp_path / "conversation.json")
+    app = SpecChatApp(session, conversation=log)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, app, "hello world")
+        await wait_for(pilot, lambda: session.turns and len(session.turns[0].rounds) >= 3)
+        if stop == "escape":
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not app.generating)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await wait_for(pilot, lambda: app.return_code is not None)
+    saved = json.loads(log.path.read_text())
+    turn = session.turns[0]
+    assert 0 < len(turn.reply_ids) < FULL and turn.stop_reason is None  # stopped mid-reply, not finished
+    assert saved["messages"][-1] == {"role": "assistant", "content": turn.reply}
+    assert saved["turns"][-1]["reply"] == turn.reply and saved["turns"][-1]["stop_reason"] == "stopped"
