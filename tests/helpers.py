@@ -560,3 +560,19 @@ def write_gguf(model, path: Path, *, eos_id: int | None = None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_greedy_rounds(records) -> None:
+    """Each greedy round as its tokens tell it: the accepted drafts first (accepted with probability 1: p and q are
+    one-hot at the same token), then the target's own token, a bonus only after all drafts were accepted; the
+    first rejected draft is not the token the target put in its place (greedy rejects only a non-argmax draft)."""
+    for r in records:
+        kinds, n = [t.kind for t in r.tokens], r.accepted
+        if r.drafted == 0:
+            assert kinds == ["target"] * len(kinds) and len(kinds) == 1, (r.index, kinds)
+            continue
+        assert kinds[:n] == ["accepted"] * n and all(t.accept_prob == 1.0 for t in r.tokens[:n]), (r.index, kinds)
+        if len(r.tokens) > n:
+            assert kinds[n] == ("bonus" if n == r.drafted else "resampled"), (r.index, kinds)
+            if r.rejected:
+                assert r.rejected[0] != r.tokens[n].id, r.index

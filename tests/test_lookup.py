@@ -12,7 +12,7 @@ from specchat.engine.metrics import Stats
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
-from helpers import ALPHA, PositionFit, ResampleFromP, assert_drafted_up_to, run
+from helpers import ALPHA, PositionFit, ResampleFromP, assert_drafted_up_to, assert_greedy_rounds, run
 
 # "1 2" occurs earlier, followed by "3 1 2 ...": lookup drafts from the first round on
 REPEATING = [1, 2, 3, 1, 2]
@@ -45,6 +45,7 @@ def test_greedy_matches_hf_generate(target, k):
     ref = target.generate(torch.tensor([REPEATING]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
     out, records = run(target, build_drafter("lookup", target), REPEATING, k=k, params=SamplingParams(0), max_new_tokens=40)
     assert out == ref[0, len(REPEATING):].tolist()
+    assert_greedy_rounds(records)
     assert sum(r.accepted for r in records) > 0
     assert k == 1 or sum(r.drafted - r.accepted for r in records) > 0  # and some drafts were rejected
     assert all(r.draft_calls == 0 for r in records)  # no model

@@ -12,7 +12,7 @@ from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
-from helpers import ALPHA, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, run, sample_and_fit
+from helpers import ALPHA, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, assert_greedy_rounds, run, sample_and_fit
 
 
 @pytest.mark.parametrize("k", [2, 5])
@@ -21,7 +21,8 @@ def test_greedy_matches_hf_generate(rough_target, k):
     ref = rough_target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40)
     out, records = run(rough_target, build_drafter("quant", rough_target), prompt, k=k, params=SamplingParams(0), max_new_tokens=40)
     assert out == ref[0, len(prompt):].tolist()
-    assert sum(r.accepted for r in records) > 0
+    assert_greedy_rounds(records)
+    assert sum(r.accepted for r in records) > 0.8 * sum(r.drafted for r in records)  # an int8 copy of the target: 0.91-1.0 measured
 
 
 def test_bf16_target_greedy_identity_and_target_untouched():
@@ -33,7 +34,8 @@ def test_bf16_target_greedy_identity_and_target_untouched():
     ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30)
     out, records = run(target, drafter, prompt, k=3, params=SamplingParams(0), max_new_tokens=30)
     assert out == ref[0, len(prompt):].tolist()
-    assert sum(r.accepted for r in records) > 0
+    assert_greedy_rounds(records)
+    assert sum(r.accepted for r in records) > 0.8 * sum(r.drafted for r in records)  # an int8 copy of the target: 0.91-1.0 measured
     for n, p in target.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
 
@@ -89,7 +91,8 @@ def test_greedy_matches_hf_generate_with_either_cpu_backend(rough_target, backen
     drafter = build_drafter("quant", rough_target, quant_backend=backend)
     out, records = run(rough_target, drafter, prompt, k=4, params=SamplingParams(0), max_new_tokens=40)
     assert drafter.backend == backend and out == ref[0, len(prompt):].tolist()
-    assert sum(r.accepted for r in records) > 0
+    assert_greedy_rounds(records)
+    assert sum(r.accepted for r in records) > 0.8 * sum(r.drafted for r in records)  # an int8 copy of the target: 0.91-1.0 measured
 
 
 class FakeCudaModel:
