@@ -203,11 +203,17 @@ def likely_llama_cpp(opts: dict) -> bool:
     return opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu") and installed
 
 
+def hub_environment(opts: dict) -> None:
+    """Hub ids come from the local cache, without a network call, unless --download. huggingface_hub reads these
+    once, when it is first imported (with transformers, by the engine's modules): set them before anything does,
+    or it fetches its agent registry from the Hub even for a model it then reads from the cache."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
+
+
 def load_models(opts: dict, console):
     """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # hub ids come from the local cache, without a network call, unless --download (read as the hub client loads)
-    os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
+    hub_environment(opts)
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
     threads.set_threads(opts.get("threads"))
@@ -238,6 +244,7 @@ def load_session(opts: dict, *, quiet: bool = False):
     --server, a RemoteSession: no model loads here and torch is never imported)."""
     if opts.get("servers"):
         return load_remote_session(opts)
+    hub_environment(opts)  # before the imports below (transformers, and huggingface_hub with it)
     from rich.console import Console
 
     from specchat.engine.acceptance import parse_rule
