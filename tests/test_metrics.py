@@ -123,3 +123,27 @@ def test_a_mode_is_measured_against_the_plain_rounds_of_its_own_window():
 
     assert enough(snap.stats["lookup"], plain)
     assert not enough(Stats.of([rec(1, "lookup", 2, 1, 2, 0.01)]), plain)  # one round: a hint, shown greyed
+
+
+def test_every_statistic_of_hand_worked_rounds():
+    """A generation of four rounds, worked by hand:
+    round 0: plain (the prefill's token), 1 token, 2 ms;
+    round 1: drafted 3, accepted 1 -> accepted + resampled = 2 tokens, 1 draft call, draft 3 ms, verify 12 ms;
+    round 2: drafted 3, accepted 3 -> 3 accepted + bonus = 4 tokens, 1 draft call, draft 3 ms, verify 12 ms;
+    round 3: plain (an in-band or no-match round) 1 token, verify 10 ms."""
+    rounds = [rec(0, "lookup", 0, 0, 1, 0.002), rec(1, "lookup", 3, 1, 2, 0.015, 0.003), rec(2, "lookup", 3, 3, 4, 0.015, 0.003),
+              rec(3, "lookup", 0, 0, 1, 0.010)]
+    rounds[0].prefill_s = 0.050
+    s = Stats.of(rounds)
+    assert (s.rounds, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.new_tokens) == (4, 2, 6, 4, 8)
+    assert s.num_draft_tokens_per_pos == [2, 2, 2] and s.num_accepted_tokens_per_pos == [2, 1, 1]
+    assert s.per_position_acceptance == [1.0, 0.5, 0.5]
+    assert s.acceptance_rate == pytest.approx(4 / 6)
+    assert s.mean_accepted_length == pytest.approx(8 / 4)  # tokens per target call, bonus included
+    assert s.mean_draft_len == pytest.approx(3.0)
+    assert s.target_calls_per_token == pytest.approx(4 / 8) and s.draft_calls_per_token == pytest.approx(2 / 8)
+    assert s.tokens_per_s == pytest.approx(7 / 0.040)  # rounds 1-3: 7 tokens in 40 ms
+    assert s.ms_per_token == pytest.approx(40 / 7)
+    assert s.time_to_first_token_s == pytest.approx(0.052)  # prefill + round 0
+    assert s.draft_ms_per_round == pytest.approx(3.0)  # 6 ms over the 2 rounds that drafted
+    assert s.verify_ms_per_round == pytest.approx((0.002 + 0.012 + 0.012 + 0.010) * 1000 / 4)
