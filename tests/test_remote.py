@@ -210,6 +210,9 @@ def test_a_recorded_vllm_stream_is_rebuilt_and_checked(standin):
     ([1, 4], [(3, 0), (3, 3)], [(3, 0), (3, 3)]),  # a one-token step that drafted: all 3 rejected
     ([4, 2], [(3, 3), (3, 3)], [(3, 3), (3, 3)]),  # the last step cut by max_tokens
     ([4, 1], [(3, 3), (3, 2)], [(3, 3), (3, 2)]),  # ... to one token
+    ([4, 1, 1, 2], [(3, 3), (3, 0), (3, 0), (3, 1)], [(3, 3), (3, 0), (3, 0), (3, 1)]),  # two rejected in a row, after a step
+    ([1, 4, 1, 1], [(3, 3)], [(0, 0), (3, 3), (0, 0), (0, 0)]),  # plain steps after the last drafting one
+    ([4, 1, 4, 1, 1, 3], [(3, 3), (3, 0), (3, 3), (3, 2)], [(3, 3), (3, 0), (3, 3), (0, 0), (0, 0), (3, 2)]),
     ([1, 1, 4], [(3, 0), (3, 3)], None),  # one of two one-token steps drafted: which, the stream does not say
     ([4], [(3, 2)], None),  # 4 tokens cannot be 2 accepted
     ([2, 2], [(3, 1)], None),  # an entry missing

@@ -1,0 +1,83 @@
+"""A mutation score for one source file, in bounded time: mutmut mutates the file, runs the tests that cover
+each mutant, and this prints the score and the surviving mutants.
+
+    pip install mutmut   # 3.8.1 measured; not a dependency of specchat
+    python scripts/mutation.py specchat/engine/remote.py tests/test_remote.py [--timeout 1800] [--children 2]
+
+Not part of the test suite (it runs the chosen tests once per mutant). mutmut works in ./mutants (a copy of the
+tree) and reads its settings from setup.cfg, which this script writes for the run and removes after. Score:
+killed / (killed + survived + timed out); a survivor is either a missing test or an equivalent mutant, to be
+written down as such (benchmarks/RESULTS.md, section 11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = """[mutmut]
+source_paths={source}
+pytest_add_cli_args=
+    -n
+    0
+    -p
+    no:cacheprovider
+pytest_add_cli_args_test_selection=
+{tests}
+also_copy=
+    specchat/
+    tests/
+    scripts/
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("source", help="the file to mutate, e.g. specchat/engine/remote.py")
+    ap.add_argument("tests", nargs="+", help="the test files that cover it")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run (what is done is reported)")
+    ap.add_argument("--children", type=int, default=2, help="mutants tested at once")
+    args = ap.parse_args()
+    mutmut = shutil.which("mutmut") or str(Path(sys.executable).with_name("mutmut"))
+    config = ROOT / "setup.cfg"
+    if config.exists():
+        sys.exit(f"mutation: {config} exists; this script writes its own and removes it after")
+    config.write_text(CONFIG.format(source=args.source, tests="\n".join(f"    {t}" for t in args.tests)))
+    try:
+        shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+        run = subprocess.Popen([mutmut, "run", "--max-children", str(args.children)], cwd=ROOT, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            run.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)  # mutmut and the test runs it started
+            run.wait()
+            print(f"mutation: stopped after {args.timeout:g} s; the counts are of the mutants tested by then")
+        results = subprocess.run([mutmut, "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True).stdout
+    finally:
+        config.unlink()
+    status = {}
+    for line in results.splitlines():
+        name, _, state = line.strip().rpartition(": ")
+        if name:
+            status[name] = state
+    counts = Counter(status.values())
+    judged = counts["killed"] + counts["survived"] + counts["timeout"]
+    print(f"{args.source}: {len(status)} mutants; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if judged:
+        print(f"score (killed / judged): {counts['killed'] / judged:.1%}")
+    survivors = sorted(n for n, s in status.items() if s == "survived")
+    out = ROOT / "mutants" / "survivors.txt"
+    out.write_text("\n".join(survivors) + "\n")
+    print(f"survivors: {out} (show one with `mutmut show NAME`)")
+
+
+if __name__ == "__main__":
+    main()
