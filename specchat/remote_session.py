@@ -40,7 +40,7 @@ class RemoteControls:
     """What the chat can change between requests (the server reads the settings once per request)."""
 
     mode: str
-    k: None  # the draft length is the server's own setting (not reported to clients)
+    k: int | None  # None: the draft length is the server's own setting (not reported to clients)
     sampling: SamplingParams
     rule: ServerRule = ServerRule()
     drafter = None  # no local drafter (the snapshot reads its attributes with getattr)
