@@ -150,7 +150,7 @@ def server_options(f):
     """--server (the chat, generate, bench): a serving engine runs the target instead of this machine."""
     return apply([
         click.option("--server", "servers", multiple=True, metavar="[NAME=]URL",
-                     help="A llama-server (OpenAI-compatible) to chat with instead of a local model; repeat with NAME=URL "
+                     help="A serving engine (llama-server or vLLM, OpenAI-compatible) instead of a local model; repeat with NAME=URL "
                           "for one configuration each (the mode keys switch). API key: $SPECCHAT_API_KEY."),
         click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
                      help="--server: seconds to wait for the server's next chunk."),
