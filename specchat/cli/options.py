@@ -306,6 +306,10 @@ def parse_servers(specs) -> list[tuple[str | None, str]]:
         elif not name.strip() or not url.strip():
             raise BadOption(f"--server {spec}: expected URL or NAME=URL")
         out.append((name.strip() if name else None, url.strip()))
+    from specchat.tui.keys import MAX_MODES
+
+    if len(out) > MAX_MODES:
+        raise BadOption(f"--server: at most {MAX_MODES} configurations (the mode keys are F2..F10)")
     names = [n for n, _ in out if n]
     if len(set(names)) != len(names):
         raise BadOption("--server: two configurations with the same name")
