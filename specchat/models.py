@@ -175,6 +175,18 @@ def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | 
     return "llama.cpp" if usable else "torch"
 
 
+def tokenizer_cached(spec: str | None) -> bool:
+    """Whether loading `spec` needs no conversion of a GGUF file's tokenizer first (one that has not been converted
+    takes tens of seconds for a 150k vocabulary: the first start says so)."""
+    if spec is not None and Path(spec).expanduser().suffix != ".gguf":
+        return True
+    path = default_gguf() if spec is None else Path(spec).expanduser()
+    if not path.is_file():
+        return True  # nothing to convert: loading it says what is wrong
+    name = _cache_name(path)
+    return any((models_dir() / d / "tokenizer_config.json").is_file() for d in (name, f"{name}-tokenizer"))
+
+
 def gguf_tokenizer(path: Path):
     """The GGUF file's tokenizer as a transformers tokenizer (chat template included), converted once into the
     user cache (the conversion of a 49k-token vocabulary takes seconds; loading the saved one, a fraction)."""

@@ -217,11 +217,17 @@ def load_models(opts: dict, console):
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
     threads.set_threads(opts.get("threads"))
-    from specchat.models import check_same_tokenizer, check_same_vocab, load_model, load_tokenizer, pick_device, pick_dtype, pick_engine
+    from specchat.models import (check_same_tokenizer, check_same_vocab, load_model, load_tokenizer, pick_device, pick_dtype,
+                                 pick_engine, tokenizer_cached)
 
+    specs = [opts["target"], *([opts["draft"]] if opts.get("draft") else [])]
+    cached = all(tokenizer_cached(spec) for spec in specs)
+    once = "" if cached else " (first start: converting the GGUF tokenizers once into the user cache, tens of seconds)"
     if opts.get("draft"):  # the vocabularies first: a mismatch is one line in a second, not after both models load
-        tokenizers = [load_tokenizer(spec, trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
-                      for spec in (opts["target"], opts["draft"])]
+        with console.status(f"Comparing the tokenizers of target and draft{once}..."):
+            tokenizers = [load_tokenizer(spec, trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
+                          for spec in (opts["target"], opts["draft"])]
+        once = ""
         if None not in tokenizers:
             check_same_vocab(opts["target"] or "SmolLM2-135M-Instruct (default)", tokenizers[0], opts["draft"], tokenizers[1])
     device = pick_device(opts["device"])
@@ -229,7 +235,7 @@ def load_models(opts: dict, console):
     engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
-    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}..."):
+    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
         target = load_model(opts["target"], device, dtype, **kwargs)
     draft = None
     if opts.get("draft"):
