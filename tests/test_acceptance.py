@@ -151,3 +151,23 @@ def test_warping_matches_transformers_warpers(temperature, top_k, top_p):
     got = logits_to_probs(logits, SamplingParams(temperature, top_k, top_p))
     assert torch.equal(got > 0, expected > 0)  # the same tokens kept
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_the_rule_draws_only_from_the_runs_generator_and_reports_probabilities_at_most_one():
+    """A seeded run repeats whatever else used torch's global generator meanwhile (a rule or residual draw that
+    fell back to the global one survived every other test: mutation run, benchmarks/RESULTS.md section 11), and
+    each acceptance probability is min(1, p(x)/q(x)), never above 1 (the loop's expected tokens sum them)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 50, generator=g), -1)  # [K+1, V]
+    q = torch.softmax(torch.randn(4, 50, generator=g), -1)  # [K, V]
+    draft = torch.multinomial(q, 1, generator=g).squeeze(-1)  # [K]
+    verdicts = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)  # the global generator differs between the two runs
+        run = torch.Generator().manual_seed(7)
+        verdicts.append([(v.accepted, v.next_token) for v in (EXACT(draft, q, p, run, False) for _ in range(30))])
+        verdicts[-1] += [draw_next(0, q, p, run, False) for _ in range(30)]
+    assert verdicts[0] == verdicts[1]
+    v = EXACT(draft, q, p, torch.Generator().manual_seed(3), False)
+    px, qx = p[torch.arange(4), draft], q[torch.arange(4), draft]
+    assert torch.allclose(v.accept_probs, torch.clamp(px / qx, max=1.0)) and bool((v.accept_probs <= 1).all())
