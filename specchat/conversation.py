@@ -95,7 +95,7 @@ class Conversation:
         self.plain_for: dict[str, Stats] = {}  # mode -> the in-band plain rounds among its rounds (Snapshot.plain_for)
 
     _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
-    _last_mode: str | None = None  # the drafting mode of the latest round that drafted under one
+    _last_mode: str | None = None  # the mode of the latest round not run plain: in-band plain rounds after it are its baseline
 
     @property
     def mode(self) -> str:
@@ -120,7 +120,6 @@ class Conversation:
         with self.lock:
             self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
             self._history = None
-
 
     # -- generation
     def _record(self, rounds: Iterator[RoundRecord], turn: Turn) -> Iterator[RoundRecord]:
