@@ -5,14 +5,14 @@ the kinds rebuilt from its counters, the mode keys switch configurations, and wh
 from __future__ import annotations
 
 import io
-import time
 
 import pytest
 from rich.console import Console
-from textual.widgets import Input, Static
+from textual.widgets import Static
 
 import remote_standin
 from remote_standin import chunk, finish_chunk
+from test_tui import send, wait_for
 from specchat.engine import remote
 from specchat.engine.sampling_params import SamplingParams
 from specchat.remote_session import RemoteSession
@@ -42,18 +42,6 @@ def text(widget) -> str:
     return console.export_text()
 
 
-async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await pilot.pause(0.02)
-
-
-async def send(pilot, app, text: str) -> None:
-    app.query_one("#prompt", Input).value = text
-    await pilot.press("enter")
-
-
 @pytest.mark.asyncio
 async def test_the_chat_streams_a_server_and_switches_configurations(servers):
     spec, plain = servers
@@ -62,7 +50,7 @@ async def test_the_chat_streams_a_server_and_switches_configurations(servers):
     app = SpecChatApp(session, conversation=None)
     async with app.run_test(size=(160, 45)) as pilot:
         assert "llama-server model.gguf (draft-simple)" in app.sub_title and spec.url in app.sub_title
-        await send(pilot, app, "hi")
+        await send(pilot, "hi")
         await wait_for(pilot, lambda: not app.generating and session.turns)
         view = app.query_one(ReplyView)
         assert [t.kind for t in view.tokens] == ["target", "accepted", "accepted", "resampled", "accepted"]
@@ -74,7 +62,7 @@ async def test_the_chat_streams_a_server_and_switches_configurations(servers):
         await pilot.press("f3")  # the second configuration
         await wait_for(pilot, lambda: session.mode == "plain")
         assert plain.url in app.sub_title
-        await send(pilot, app, "again")
+        await send(pilot, "again")
         await wait_for(pilot, lambda: not app.generating and len(session.turns) == 2)
         assert plain.bodies and plain.bodies[-1]["messages"][-1]["content"] == "again"
         assert [m["content"] for m in plain.bodies[-1]["messages"][:2]] == ["hi", "Hello, world"]  # the conversation goes on
@@ -103,7 +91,7 @@ async def test_the_inspector_says_what_the_server_does_not_send(servers):
     session = RemoteSession([remote.connect(spec.url)], sampling=SamplingParams(0.0, 0, 1.0))
     app = SpecChatApp(session, conversation=None)
     async with app.run_test(size=(120, 40)) as pilot:
-        await send(pilot, app, "hi")
+        await send(pilot, "hi")
         await wait_for(pilot, lambda: not app.generating and session.turns)
         inspector = app.query_one(Inspector)
         inspector.show_token(app.query_one(ReplyView).tokens[3], session.token_text)
@@ -118,7 +106,7 @@ async def test_a_stream_that_breaks_keeps_the_partial_reply_on_screen(servers):
     session = RemoteSession([remote.connect(spec.url)], sampling=SamplingParams(0.0, 0, 1.0))
     app = SpecChatApp(session, conversation=None)
     async with app.run_test(size=(120, 40)) as pilot:
-        await send(pilot, app, "hi")
+        await send(pilot, "hi")
         await wait_for(pilot, lambda: not app.generating and session.turns)
         assert session.turns[0].reply == "Hello," and session.turns[0].stop_reason == "interrupted"
         assert app.query_one(ReplyView).status == "error"
