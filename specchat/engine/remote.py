@@ -253,12 +253,15 @@ class _Step:
     def size(self) -> int:  # the tokens it emits: the accepted drafts and one replacement or bonus
         return self.accepted + 1
 
-    def kind(self, i: int) -> str:
-        if self.drafted == 0:
-            return "target"
-        if i < self.accepted:
-            return "accepted"
-        return "bonus" if self.accepted == self.drafted else "resampled"
+
+def step_kind(drafted: int, accepted: int, i: int) -> str:
+    """The kind of a step's i-th token: plain if it drafted nothing, else its accepted drafts, then a bonus (all
+    accepted) or the replacement of the first rejected draft."""
+    if drafted == 0:
+        return "target"
+    if i < accepted:
+        return "accepted"
+    return "bonus" if accepted == drafted else "resampled"
 
 
 @dataclass
@@ -276,6 +279,14 @@ class Reconciliation:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def compare(self, *more: tuple[str, int, int | None]) -> "Reconciliation":
+        """Add a problem for every count of the steps that differs from the server's (None: the server sent none)."""
+        for name, ours, theirs in (("tokens", self.tokens, self.server_tokens), ("drafted", self.drafted, self.server_drafted),
+                                   ("accepted", self.accepted, self.server_accepted), *more):
+            if theirs is not None and ours != theirs:
+                self.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
+        return self
 
 
 class LlamaServerSteps:
@@ -323,8 +334,7 @@ class LlamaServerSteps:
         out: list[RoundRecord] = []
         for i in range(new):
             piece = text if i == new - 1 else ""  # the chunk's text goes with its last token
-            if self.current is None or len(self.current.tokens) >= self.current.size:
-                out += self._flush_current(t)
+            if self.current is None:  # (a step is flushed as soon as its last token comes)
                 self.current, self.queued = (self.queued, None) if self.queued is not None else (_Step(0, 0), None)
             step = self.current
             step.tokens.append(self._event(step, len(step.tokens), piece))
@@ -335,9 +345,8 @@ class LlamaServerSteps:
         return out
 
     def _event(self, step: _Step, i: int, text: str) -> TokenEvent:
-        kind = step.kind(i)
-        return TokenEvent(id=UNKNOWN_ID, text=text, kind=kind, round=self.index, position=i + 1,
-                          p=math.nan, q=None, accept_prob=None)
+        return TokenEvent(id=UNKNOWN_ID, text=text, kind=step_kind(step.drafted, step.accepted, i), round=self.index,
+                          position=i + 1, p=math.nan, q=None, accept_prob=None)
 
     def _flush_current(self, t: float, final: bool = False) -> list[RoundRecord]:
         step, self.current = self.current, None
@@ -373,11 +382,7 @@ class LlamaServerSteps:
                              list(self.problems))
         if not final:
             rec.problems.append("no chunk carried the server's counters")
-        for name, ours, theirs in (("tokens", tokens, rec.server_tokens), ("drafted", drafted, rec.server_drafted),
-                                   ("accepted", accepted, rec.server_accepted), ("completion_tokens", tokens, usage_tokens)):
-            if theirs is not None and ours != theirs:
-                rec.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
-        return rec
+        return rec.compare(("completion_tokens", tokens, usage_tokens))
 
 
 # ---------------------------------------------------------------- vLLM: one chunk per step
@@ -452,13 +457,9 @@ class VllmSteps:
         spec = (self.metrics or {}).get("speculative_decoding") or {}
         rec = Reconciliation(tokens, drafted, accepted, (self.usage or {}).get("completion_tokens"),
                              spec.get("num_draft_tokens"), spec.get("num_accepted_draft_tokens"), list(self.problems))
-        for name, ours, theirs in (("completion_tokens", tokens, rec.server_tokens), ("drafted", drafted, rec.server_drafted),
-                                   ("accepted", accepted, rec.server_accepted)):
-            if theirs is not None and ours != theirs:
-                rec.problems.append(f"{name}: the steps give {ours}, the server counted {theirs}")
         if rec.server_tokens is None:
             rec.problems.append("no usage chunk with the server's token count")
-        return rec
+        return rec.compare()
 
 
 def _label(record: RoundRecord, ids: list[int], text: str | None, texts: list[str] | None = None) -> list[TokenEvent]:
@@ -466,15 +467,9 @@ def _label(record: RoundRecord, ids: list[int], text: str | None, texts: list[st
     goes with the last token (the ids are exact, the split of the text between them is not sent)."""
     out = []
     for i, tok in enumerate(ids):
-        if record.drafted == 0:
-            kind = "target"
-        elif i < record.accepted:
-            kind = "accepted"
-        else:
-            kind = "bonus" if record.accepted == record.drafted else "resampled"
         piece = texts[i] if texts is not None else (text if i == len(ids) - 1 else "")
-        out.append(TokenEvent(id=tok, text=piece, kind=kind, round=record.index, position=i + 1, p=math.nan, q=None,
-                              accept_prob=None))
+        out.append(TokenEvent(id=tok, text=piece, kind=step_kind(record.drafted, record.accepted, i), round=record.index,
+                              position=i + 1, p=math.nan, q=None, accept_prob=None))
     return out
 
 
