@@ -68,14 +68,21 @@ class RemoteSession(Conversation):
         self.controls = RemoteControls(self.server.name, None, sampling)
         self.seed, self.timeout = seed, timeout
         self.draft = None
-        self.state = SimpleNamespace(runner=self.server.engine, kernel=self.server.engine)
-        self.engine_label = self.server.engine
         self.device_label, self.dtype_label = "server", ""
         self.warnings: list[str] = []  # reconstructions that did not add up to the server's counters
         self.reconstructions: list = []  # per generation: its LlamaServerSteps or VllmSteps
         for s in servers:
             if s.speculative is None:
                 self.notices.append(f"{s.name} ({s.url}) does not speculate: every token is a plain target step")
+
+    @property
+    def engine_label(self) -> str:
+        return self.server.engine
+
+    @property
+    def state(self):
+        """What the front ends read of a local session's target state: which engine runs it."""
+        return SimpleNamespace(runner=self.server.engine, kernel=self.server.engine)
 
     @property
     def target(self):
@@ -92,8 +99,6 @@ class RemoteSession(Conversation):
         """From the next request (a server reads its settings once per request)."""
         self.drafter(mode)
         self.server = self.servers[mode]
-        self.state = SimpleNamespace(runner=self.server.engine, kernel=self.server.engine)
-        self.engine_label = self.server.engine
         self.controls.mode = mode
 
     def measure_baseline(self, every: int = 0) -> None:

@@ -56,9 +56,7 @@ def summarise(configs: dict, runs: list[dict]) -> dict:
             ref = by_key.get((r["prompt"], r["pass"], base))
             if ref and r["stats"]["tokens_per_s"] and ref["stats"]["tokens_per_s"]:
                 ratios.append(r["stats"]["tokens_per_s"] / ref["stats"]["tokens_per_s"])
-        total = Stats()
-        for t in session.turns:
-            total = total.merge(t.stats)
+        total = session.total
         same_text = [r["text"] == by_key[(r["prompt"], r["pass"], base)]["text"] for r in mine if (r["prompt"], r["pass"], base) in by_key]
         rows.append({
             "config": name,
