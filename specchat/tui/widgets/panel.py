@@ -153,8 +153,8 @@ def speedup_against_plain(snapshot: Snapshot, mode: str) -> tuple[float | None, 
     definition. One definition for the table and the speedup line."""
     stats = snapshot.stats
     if snapshot.server is not None:
-        plain = stats.get(remote_plain(snapshot))
-        return (1.0 if mode == remote_plain(snapshot) else measured_speedup(stats.get(mode), plain)), plain
+        name = remote_plain(snapshot)
+        return (1.0 if mode == name else measured_speedup(stats.get(mode), stats.get(name))), stats.get(name)
     if mode == "off":
         return (1.0 if mode in stats else None), None
     plain = snapshot.plain_for.get(mode)
