@@ -343,8 +343,6 @@ def load_remote_session(opts: dict):
         servers = [connect(url, name, timeout=min(opts.get("timeout") or 10.0, 10.0)) for name, url in parse_servers(opts["servers"])]
     except RemoteError as e:
         raise UserError(str(e)) from None
-    if len({s.name for s in servers}) != len(servers):  # two unnamed servers of one engine cannot happen (names required)
-        raise BadOption("--server: two configurations with the same name")
     session = RemoteSession(servers, sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
                             seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], timeout=opts.get("timeout") or 120.0)
     if opts.get("system"):
