@@ -269,8 +269,6 @@ def bench_servers(opts: dict) -> None:
     try:
         for name, url in parse_servers(opts["servers"]):
             server = connect(url, name, timeout=min(opts["timeout"], 10.0))
-            if server.name in configs:
-                raise BadOption(f"--server: two configurations named {server.name}: name them, NAME=URL")
             configs[server.name] = RemoteSession([server], sampling=sampling, seed=opts["seed"],
                                                  max_new_tokens=opts["max_new_tokens"], timeout=opts["timeout"])
     except RemoteError as e:
