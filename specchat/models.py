@@ -343,6 +343,21 @@ def load_model(
     return LoadedModel(model, tokenizer, name)
 
 
+def weights_id(model) -> str:
+    """Which weights these are, wherever they were loaded from (what auto's learnt rates are kept under): a GGUF
+    file's size and first MiB (its metadata and first tensors); a torch model's head.fingerprint."""
+    if getattr(model, "engine", "torch") == "llama.cpp":
+        path = Path(model.path)
+        with open(path, "rb") as f:
+            return hashlib.sha1(f.read(1 << 20) + str(path.stat().st_size).encode()).hexdigest()[:16]
+    from specchat.engine.drafters.head import fingerprint
+
+    try:
+        return fingerprint(model)
+    except (AttributeError, IndexError):  # an architecture without the matrices it samples
+        return hashlib.sha1(str(getattr(model.config, "_name_or_path", "")).encode()).hexdigest()[:16]
+
+
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     """Speculation compares token ids, so both models must use one vocabulary.
 

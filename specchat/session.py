@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import random
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from specchat import models, store, threads
+from specchat import machine, models, store, threads
 from specchat.conversation import Conversation, PromptTooLong, Turn
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
@@ -74,9 +76,11 @@ class Session(Conversation):
         seed: int | None = None,
         max_new_tokens: int = 256,
         mode_options: dict | None = None,
+        keep_learnt: bool = True,
     ) -> None:
         self.target, self.draft = target, draft
         self.mode_options = mode_options or {}
+        self.keep_learnt = keep_learnt  # auto starts from, and saves, what earlier sessions measured (store.LearntRates)
         self.state = target_state(target.model)
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.generator = torch.Generator(device=self.state.device).manual_seed(self.seed)
@@ -103,8 +107,24 @@ class Session(Conversation):
         if mode not in self._drafters:
             draft_model = self.draft.model if self.draft else None
             options = drafter_options(self.target.model, mode, self.mode_options)
+            if mode == "auto" and self.keep_learnt:
+                options["memory"] = store.LearntRates(self.setup(options))
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
+
+    def setup(self, options: dict) -> dict:
+        """What auto's measurements depend on besides the prompt: another of these is another setup, learnt afresh."""
+        head = Path(options["head_file"]) if options.get("head_file") else None
+        return {"target": models.weights_id(self.target.model), "draft": models.weights_id(self.draft.model) if self.draft else None,
+                "engine": self.target.engine, "device": str(self.state.device), "dtype": self.target.dtype_name,
+                "head": f"{head.name}:{head.stat().st_size}" if head is not None and head.is_file() else None,
+                "threads": threads.setting(), "cpu": machine.cpu_name(), "cores": os.cpu_count()}
+
+    def save_learnt(self) -> None:
+        """Keep what auto learnt this session for the next one (after every turn: a killed session loses little)."""
+        auto = self._drafters.get("auto")
+        if auto is not None and self.keep_learnt:
+            auto.save()
 
     def engine(self) -> tuple[TargetState, Controls]:
         """Another engine over the same weights: its own KV cache and drafter, this session's mode and settings.
@@ -181,13 +201,17 @@ class Session(Conversation):
         finally:
             self.messages.append({"role": "assistant", "content": turn.reply})
             self._history = (list(self.messages), prompt + turn.reply_ids)
+            self.save_learnt()
 
     def complete(self, prompt: list[int]) -> Iterator[RoundRecord]:
         """One generation from explicit prompt ids (no chat template)."""
         self.check_fits(prompt)
         turn = Turn(user="", prompt_tokens=len(prompt))
         self.turns.append(turn)
-        yield from self._record(self._rounds(prompt), turn)
+        try:
+            yield from self._record(self._rounds(prompt), turn)
+        finally:
+            self.save_learnt()
 
     def _after_round(self) -> None:
         threads.adapt()  # here, in the thread that runs the forwards

@@ -5,6 +5,8 @@
 - data (`SPECCHAT_DATA_DIR`, else platformdirs' user data folder): what the user made: session exports
   (F9), bench reports.
 - config (`SPECCHAT_CONFIG_DIR`, else platformdirs' user config folder): user themes.
+- state (`SPECCHAT_STATE_DIR`, else platformdirs' user state folder): what mode auto learnt about this machine
+  (LearntRates). Not the cache: the tests share one cache between runs, and learnt rates must start fresh there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def data_dir() -> Path:
 
 def config_dir() -> Path:
     return Path(os.environ.get("SPECCHAT_CONFIG_DIR") or platformdirs.user_config_path("specchat"))
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("SPECCHAT_STATE_DIR") or platformdirs.user_state_path("specchat"))
 
 
 def models_dir() -> Path:
@@ -137,6 +143,31 @@ def save_tuned(model, mode: str, result: dict) -> Path:
     data[mode] = result
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
+
+
+class LearntRates:
+    """Mode auto's rates for one setup (the target's and draft's weights, engine, device, dtype, threads, the
+    machine), kept between sessions: a first reply starts from what earlier sessions measured (drafters/auto.py)."""
+
+    def __init__(self, setup: dict) -> None:
+        self.setup = setup
+        key = hashlib.sha1(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = state_dir() / "auto" / f"{key}.json"
+
+    def load(self) -> dict:
+        """{sampling setting: {arm: {tokens, seconds, rounds, at}}}; {} for a setup never seen or an unreadable file."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        rates = data.get("rates") if isinstance(data, dict) and data.get("setup") == self.setup else None
+        return rates if isinstance(rates, dict) else {}
+
+    def save(self, rates: dict) -> None:
+        try:
+            write_atomic(self.path, json.dumps({"setup": self.setup, "rates": rates}, indent=1, sort_keys=True) + "\n")
+        except OSError:  # a read-only or full disk: auto measures afresh next time, nothing the user made is lost
+            pass
 
 
 class TensorStore:

@@ -160,6 +160,13 @@ def set_threads(requested: int | None) -> int:
     return torch.get_num_threads()
 
 
+def setting() -> str:
+    """The thread policy in force, as a setup is keyed by (mode auto's learnt rates): "follows the load" or a count."""
+    import torch
+
+    return "follows the load" if _governor is not None else str(torch.get_num_threads())
+
+
 def adaptive() -> bool:
     """Whether the thread count has followed the machine's load in this run: no --threads, no OMP_NUM_THREADS,
     specchat's own process, and a reply or training asked (`adapt`)."""

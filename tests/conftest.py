@@ -7,11 +7,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Never the user's own folders: a cache of the tests' own (the default model is converted into it once per
-# machine, then reused), and fresh data and config folders per run (exports, bench reports, user themes).
+# machine, then reused), and fresh data, config and state folders per run (exports, bench reports, user themes).
 os.environ["SPECCHAT_CACHE_DIR"] = str(platformdirs.user_cache_path("specchat-tests"))
 _scratch = tempfile.mkdtemp(prefix="specchat-tests-")
 os.environ["SPECCHAT_DATA_DIR"] = os.path.join(_scratch, "data")
 os.environ["SPECCHAT_CONFIG_DIR"] = os.path.join(_scratch, "config")
+os.environ["SPECCHAT_STATE_DIR"] = os.path.join(_scratch, "state")  # auto's learnt rates: every run starts unlearnt
 
 import pytest
 import torch

@@ -12,10 +12,22 @@ estimates of the modes that run. A round's tokens are counted as their expectati
 accept/reject draw that happened. A round counts for the mode that ran it, also when it drafted nothing (a
 plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the head, quant, a draft model) after another
 mode ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens
-of 64 rounds), a switching cost and not the mode's own. Every candidate runs a few rounds first; then each
-round runs the best, except that a candidate not run for a while runs again (its wait doubles each time it
-loses, up to MAX_WAIT rounds, so a stale estimate never lasts long), and the incumbent is kept unless another
-is faster by more than HYSTERESIS (switching drafters costs a resync). Prompt lookup is special: it only
+of 64 rounds), a switching cost and not the mode's own.
+
+How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that a candidate is measured further
+(up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + SPREAD/sqrt(rounds), an
+upper bound that narrows as rounds come in, is above the leader's (a UCB-style race, so a warm-up costs little
+where one mode is clearly ahead). Then each round runs the best, except that a candidate not run for a while runs
+again (its wait doubles each time it loses, up to MAX_WAIT rounds, so a stale estimate never lasts long), and the
+incumbent is kept unless another is faster by more than HYSTERESIS (switching drafters costs a resync).
+
+What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
+machine): after each reply the session saves every arm's rate; a new session starts from them, so its first
+reply runs the best known mode at once. A remembered rate weighs as PRIOR_ROUNDS rounds, halved every
+HALF_LIFE_DAYS since it was measured (forgotten under one round: measured afresh), so the session's own rounds
+replace it within a few; and an arm known only from memory is re-measured after REMEMBERED_WAIT rounds, so a
+change of load since (or a rate learnt on a quieter day) cannot pin a bad choice. Another CPU or thread setting
+is another file: learnt afresh. Prompt lookup is special: it only
 drafts where the last tokens occurred before, so it is a candidate only in rounds where it has a match, and
 its rate is kept per length of that match (how far back the tokens before it agree too: a copy in progress,
 or a chance bigram).
@@ -28,6 +40,8 @@ for the default model). The others stay one key away.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 from specchat.engine.drafters.base import Drafter
@@ -36,7 +50,12 @@ from specchat.engine.errors import ModeUnavailable
 CANDIDATES = ("off", "lookup", "head", "quant", "draft")  # in the order their first rounds run
 CACHED = {"head", "quant", "draft"}  # drafters that catch up on the positions they missed when they run again
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
-WARMUP = 6  # counted rounds every candidate runs before the choice starts
+MIN_ROUNDS = 2  # counted rounds every candidate runs before the choice starts
+WARMUP = 6  # a candidate that could still beat the leader is measured up to this many rounds
+SPREAD = 0.5  # the upper bound of a rate measured over n rounds: rate * (1 + SPREAD / sqrt(n))
+PRIOR_ROUNDS = 3  # a remembered rate weighs as this many rounds of this session (halved every HALF_LIFE_DAYS)
+HALF_LIFE_DAYS = 7.0
+REMEMBERED_WAIT = 8  # an arm known only from earlier sessions runs again after this many rounds
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss
 HYSTERESIS = 0.05  # another mode must be this much faster to replace the one running
@@ -53,9 +72,29 @@ class Rate:
     rounds: int = 0
     last: int = 0  # the auto round of its latest measurement
     wait: int = FIRST_WAIT  # rounds it may go unmeasured
+    earlier: int = 0  # rounds measured in earlier sessions (what `rounds` starts from weighs less: PRIOR_ROUNDS)
+    live: int = 0  # rounds measured in this session
+    measured_at: float = 0.0  # unix time of the latest measurement (kept with the rate between sessions)
+
+    @classmethod
+    def remembered(cls, entry: dict, now: float) -> "Rate | None":
+        """A rate saved by an earlier session, weighted down by its age; None when too old or unreadable."""
+        try:
+            tokens, seconds, earlier, at = float(entry["tokens"]), float(entry["seconds"]), int(entry["rounds"]), float(entry["at"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        weight = min(PRIOR_ROUNDS, earlier) * 0.5 ** (max(now - at, 0.0) / (HALF_LIFE_DAYS * 86400))
+        if weight < 1 or tokens <= 0 or seconds <= 0:
+            return None
+        return cls(tokens, seconds, rounds=int(weight + 0.5), wait=REMEMBERED_WAIT, earlier=earlier, measured_at=at)
+
+    def saved(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds, "rounds": self.earlier + self.live, "at": self.measured_at}
 
     def add(self, tokens: float, seconds: float, at: int) -> None:
         self.rounds += 1
+        self.live += 1
+        self.measured_at = time.time()
         w = 1.0 / min(self.rounds, WINDOW)
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
@@ -65,22 +104,35 @@ class Rate:
     def per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def upper(self) -> float:
+        """What the rate could still be, given how few rounds it rests on (a remembered one: all of its rounds)."""
+        return self.per_s * (1 + SPREAD / math.sqrt(max(self.rounds, self.earlier + self.live, 1)))
+
+
+def setting_key(params) -> str:
+    """The sampling setting an arm's rate belongs to (acceptance depends on it), as saved between sessions."""
+    if params is None or params.greedy:
+        return "greedy"
+    return f"T={params.temperature:g} top_k={params.top_k} top_p={params.top_p:g}"
+
 
 class AutoDrafter(Drafter):
     name = "auto"
 
     @classmethod
-    def build(cls, target, draft=None, *, build_candidate, **options) -> "AutoDrafter":
-        """`build_candidate` is drafters.build_drafter (passed in: this module is one of the drafters it imports)."""
+    def build(cls, target, draft=None, *, build_candidate, memory=None, **options) -> "AutoDrafter":
+        """`build_candidate` is drafters.build_drafter (passed in: this module is one of the drafters it imports);
+        `memory` keeps the rates between sessions (store.LearntRates: load() and save(dict)), None: this session only."""
         candidates = {}
         for mode in CANDIDATES:
             try:
                 candidates[mode] = build_candidate(mode, target, draft, **{**options, **ONLY.get(mode, {})})
             except ModeUnavailable:  # no head for this target, no draft model, no int8 kernel: not a candidate
                 pass
-        return cls(candidates)
+        return cls(candidates, memory)
 
-    def __init__(self, candidates: dict[str, Drafter]) -> None:
+    def __init__(self, candidates: dict[str, Drafter], memory=None) -> None:
         if "off" not in candidates:
             raise ValueError("auto needs plain decoding among its candidates")
         self.candidates = candidates
@@ -88,7 +140,9 @@ class AutoDrafter(Drafter):
         self.arm_mode = {mode: mode for mode in candidates if mode != "lookup"}
         if "lookup" in candidates:
             self.arm_mode.update({label: "lookup" for _, label in LOOKUP_ARMS})
-        self.tables: dict[object, dict[str, Rate]] = {}  # sampling setting -> arm -> its rate
+        self.memory = memory
+        self.known = memory.load() if memory is not None else {}  # setting -> arm -> a rate saved by an earlier session
+        self.tables: dict[str, dict[str, Rate]] = {}  # sampling setting (setting_key) -> arm -> its rate
         self.rates = self._table(None)
         self.rounds = 0
         self.arm = self.choice = "off"  # the arm and the mode of the latest round
@@ -107,7 +161,28 @@ class AutoDrafter(Drafter):
         return getattr(self.candidates[self.choice], "max_draft", None)
 
     def _table(self, params) -> dict[str, Rate]:
-        return self.tables.setdefault(params, {arm: Rate() for arm in self.arm_mode})
+        key = setting_key(params)
+        if key not in self.tables:
+            known, now = self.known.get(key), time.time()
+            known = known if isinstance(known, dict) else {}  # (a hand-edited file: what is not a table is ignored)
+            remembered = {arm: Rate.remembered(known[arm], now) if isinstance(known.get(arm), dict) else None for arm in self.arm_mode}
+            self.tables[key] = {arm: remembered[arm] or Rate() for arm in self.arm_mode}
+        return self.tables[key]
+
+    def save(self) -> None:
+        """Keep what this session measured for the next one (with what earlier sessions measured for arms and
+        settings it did not run)."""
+        if self.memory is None:
+            return
+        saved = {key: dict(arms) for key, arms in self.known.items() if isinstance(arms, dict)}
+        for key, table in self.tables.items():
+            saved.setdefault(key, {}).update({arm: rate.saved() for arm, rate in table.items() if rate.live})
+        self.memory.save(saved)
+
+    @property
+    def learnt_from(self) -> tuple[int, int]:
+        """Rounds behind the current setting's rates: (from earlier sessions, this session's)."""
+        return sum(r.earlier for r in self.rates.values()), sum(r.live for r in self.rates.values())
 
     def for_round(self, state, params) -> Drafter:
         self.rounds += 1
@@ -131,12 +206,15 @@ class AutoDrafter(Drafter):
         lookup = self.lookup_arm(tokens)
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "lookup" or arm == lookup]
         for arm in eligible:
-            if rates[arm].rounds < WARMUP:
+            if rates[arm].rounds < MIN_ROUNDS:
                 return arm, "measuring every mode first"
         best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
         if self.caught_up in eligible and self.caught_up != best:
             return self.caught_up, f"re-measuring {self.caught_up}"  # the round that counts, after catching up
+        for arm in eligible:
+            if arm != best and rates[arm].rounds < WARMUP and rates[arm].upper > rates[best].per_s:
+                return arm, f"measuring {arm}: it may beat {best}"
         for arm in eligible:
             if arm != best and self.rounds - rates[arm].last > rates[arm].wait:
                 rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
@@ -147,7 +225,9 @@ class AutoDrafter(Drafter):
 
     def explain(self, best: str, eligible: list[str]) -> str:
         others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
-        return f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
+        why = f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
+        earlier, live = self.learnt_from
+        return why + (f"; learnt over {earlier:,} rounds in earlier sessions, {live:,} in this one" if earlier else "")
 
     def observe(self, record) -> None:
         catching_up, self.ran = record.mode in CACHED and record.mode != self.ran, record.mode
