@@ -12,7 +12,7 @@ MODES: dict[str, str] = {
     "quant": "an int8 weight copy of the target",
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
     "head": "a small draft head trained on the target's own features (specchat train-head)",
-    "auto": "each round, the fastest of off, lookup, head, quant and draft as measured in this session",
+    "auto": "each round, the fastest of off, lookup, head, quant and draft as measured here (earlier sessions too)",
 }
 
 # the self-speculative modes whose setting `specchat tune` searches, and the drafter option each one takes
