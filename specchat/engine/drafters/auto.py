@@ -228,8 +228,8 @@ class AutoDrafter(Drafter):
     def explain(self, best: str, eligible: list[str]) -> str:
         others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
         why = f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
-        earlier, live = self.learnt_from
-        return why + (f"; learnt over {earlier:,} rounds in earlier sessions, {live:,} in this one" if earlier else "")
+        earlier, live = self.learnt_from  # where the figures come from first: the line is cut at the panel's width
+        return (f"learnt over {earlier:,} rounds earlier + {live:,} now: " if earlier else "") + why
 
     def observe(self, record) -> None:
         catching_up, self.ran = record.mode in CACHED and record.mode != self.ran, record.mode
