@@ -2,7 +2,7 @@
 before any model loads (`specchat --help` stays fast). Each mode's drafter class is in
 specchat.engine.drafters (DRAFTERS, in the same order; a test checks the two agree)."""
 
-# mode name -> one-line description; the order is the order of the chat's keys (F2..F10)
+# mode name -> one-line description; the order is the order of the chat's keys (F2..F11)
 MODES: dict[str, str] = {
     "off": "plain decoding of the target (the baseline)",
     "draft": "a separate draft model sharing the tokenizer",
@@ -13,6 +13,7 @@ MODES: dict[str, str] = {
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
     "head": "a small draft head trained on the target's own features (specchat train-head)",
     "auto": "each round, the fastest of off, lookup, head, quant and draft as measured here (earlier sessions too)",
+    "suffix": "suffix matches in this and the saved conversations, most frequent continuation, no model",
 }
 
 # the self-speculative modes whose setting `specchat tune` searches, and the drafter option each one takes

@@ -76,11 +76,13 @@ class Session(Conversation):
         seed: int | None = None,
         max_new_tokens: int = 256,
         mode_options: dict | None = None,
-        keep_learnt: bool = True,
+        earlier_sessions: bool = True,
     ) -> None:
         self.target, self.draft = target, draft
         self.mode_options = mode_options or {}
-        self.keep_learnt = keep_learnt  # auto starts from, and saves, what earlier sessions measured (store.LearntRates)
+        # what earlier sessions left is used: auto starts from (and saves) the rates they measured (store.LearntRates),
+        # and mode suffix drafts from the saved conversations too; False: a first session, reproducible (benchmarks)
+        self.earlier_sessions = earlier_sessions
         self.state = target_state(target.model)
         self.seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         self.generator = torch.Generator(device=self.state.device).manual_seed(self.seed)
@@ -107,8 +109,10 @@ class Session(Conversation):
         if mode not in self._drafters:
             draft_model = self.draft.model if self.draft else None
             options = drafter_options(self.target.model, mode, self.mode_options)
-            if mode == "auto" and self.keep_learnt:
+            if mode == "auto" and self.earlier_sessions:
                 options["memory"] = store.LearntRates(self.setup(options))
+            if mode in ("suffix", "auto") and self.earlier_sessions:
+                options["references"] = self.saved_conversations()
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
 
@@ -120,10 +124,29 @@ class Session(Conversation):
                 "head": f"{head.name}:{head.stat().st_size}" if head is not None and head.is_file() else None,
                 "threads": threads.setting(), "cpu": machine.cpu_name(), "cores": os.cpu_count()}
 
+    def saved_conversations(self, budget: int = 100_000) -> list[list[int]]:
+        """The user's saved conversations as this target's token ids (chat template applied), the most recent last,
+        about `budget` tokens in all: what mode suffix drafts from besides this conversation."""
+        from specchat import history
+
+        out, total = [], 0
+        for summary in history.conversations():  # the most recent first
+            try:
+                messages = [m for m in history.load(summary.path).get("messages", [])
+                            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)]
+                ids = self.target.chat_ids(messages) if messages else []
+            except Exception:  # a file another version wrote, messages a chat template refuses: skipped
+                continue
+            out.append(ids)
+            total += len(ids)
+            if total >= budget:
+                break
+        return out[::-1]
+
     def save_learnt(self) -> None:
         """Keep what auto learnt this session for the next one (after every turn: a killed session loses little)."""
         auto = self._drafters.get("auto")
-        if auto is not None and self.keep_learnt:
+        if auto is not None and self.earlier_sessions:
             auto.save()
 
     def engine(self) -> tuple[TargetState, Controls]:

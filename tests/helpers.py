@@ -141,6 +141,22 @@ class ResampleFromP(ExactRule):
         return Verdict(n, draw_next(n, q, p, generator, greedy, residual=False), accept_probs)
 
 
+class ResampleFromPFrom(ExactRule):
+    """Deliberately broken from draft position `position` on: a rejection there resamples from p instead of p
+    with the rejected draft removed (earlier positions are right). Invisible unless position `position` is drafted."""
+
+    exact = False
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
+        px, qx = draft_token_probs(draft_ids, q, p)
+        accept_probs = (px / qx).clamp(max=1.0)
+        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
+        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=n + 1 < self.position), accept_probs)
+
+
 def exact_joint(target, prompt, params, length):
     """Enumerate the target's exact distribution over its first `length` tokens: {tuple: prob}."""
     dist = {(): 1.0}

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from helpers import tiny_llama
-from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.loop import Controls
@@ -12,7 +11,7 @@ from specchat.engine.metrics import Stats
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
-from helpers import ALPHA, PositionFit, ResampleFromP, assert_drafted_up_to, assert_greedy_rounds, run
+from helpers import ALPHA, PositionFit, ResampleFromP, ResampleFromPFrom, assert_drafted_up_to, assert_greedy_rounds, run
 
 # "1 2" occurs earlier, followed by "3 1 2 ...": lookup drafts from the first round on
 REPEATING = [1, 2, 3, 1, 2]
@@ -61,22 +60,6 @@ PEAKED_PROMPT = [5, 3, 3, 3, 3, 10, 5, 3]
 @pytest.fixture(scope="module")
 def peaked():
     return tiny_llama(seed=0, layers=2, sharpen=8.0, initializer_range=0.1).requires_grad_(False)
-
-
-class ResampleFromPFrom(ExactRule):
-    """Deliberately broken from draft position `position` on: a rejection there resamples from p instead of p
-    with the rejected draft removed (earlier positions are right). Invisible unless position `position` is drafted."""
-
-    exact = False
-
-    def __init__(self, position: int) -> None:
-        self.position = position
-
-    def __call__(self, draft_ids, q, p, generator, greedy) -> Verdict:
-        px, qx = draft_token_probs(draft_ids, q, p)
-        accept_probs = (px / qx).clamp(max=1.0)
-        n = first_rejection(torch.rand(accept_probs.shape, generator=generator) < accept_probs)
-        return Verdict(n, draw_next(n, q, p, generator, greedy, residual=n + 1 < self.position), accept_probs)
 
 
 def sample_and_fit_lookup(target, prompt, params, *, k, draws, rule=None, seed=0):

@@ -254,7 +254,7 @@ def test_a_broken_stream_in_generate_is_summarised_then_one_line(standin):
     (["--server", "a=http://127.0.0.1:9", "--server", "a=http://127.0.0.1:8"], "same name"),
     (["--server", "http://127.0.0.1:9", "-k", "3"], "-k is the server's setting"),
     (["--server", "=http://x"], "expected URL or NAME=URL"),
-    ([arg for i in range(10) for arg in ("--server", f"s{i}=http://127.0.0.1:{9000 + i}")], "at most 9 configurations"),
+    ([arg for i in range(11) for arg in ("--server", f"s{i}=http://127.0.0.1:{9000 + i}")], "at most 10 configurations"),
 ])
 def test_bad_server_options_are_one_line_before_any_connection(args, message):
     result = run_cli("generate", *args, "--prompt", "hi")

@@ -39,7 +39,7 @@ def test_turns_reuse_the_cache_and_match_a_fresh_session(tiny, mode):
 
 def test_auto_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_path):
     """After a turn, auto's rates are in the state folder under this setup; the next session on the same weights
-    starts from them; another thread setting is another setup, and keep_learnt=False neither reads nor writes."""
+    starts from them; another thread setting is another setup, and earlier_sessions=False neither reads nor writes."""
     monkeypatch.setenv("SPECCHAT_STATE_DIR", str(tmp_path))
     first = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16)
     list(first.reply("the cat and the dog"))
@@ -49,7 +49,7 @@ def test_auto_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_p
     auto = second.controls.drafter
     assert auto.memory.path == saved and sum(r.earlier for r in auto.rates.values()) == sum(r.live for r in learnt.values()) > 0
     assert {arm: r.per_s for arm, r in auto.rates.items() if r.earlier} == {arm: r.per_s for arm, r in learnt.items() if r.live}
-    unlearnt = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16, keep_learnt=False)
+    unlearnt = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16, earlier_sessions=False)
     assert unlearnt.controls.drafter.memory is None and all(r.earlier == 0 for r in unlearnt.controls.drafter.rates.values())
     list(unlearnt.reply("hello"))
     assert list((tmp_path / "auto").glob("*.json")) == [saved]

@@ -315,7 +315,7 @@ def parse_servers(specs) -> list[tuple[str | None, str]]:
     from specchat.tui.keys import MAX_MODES
 
     if len(out) > MAX_MODES:
-        raise BadOption(f"--server: at most {MAX_MODES} configurations (the mode keys are F2..F10)")
+        raise BadOption(f"--server: at most {MAX_MODES} configurations (the mode keys are F2..F11)")
     names = [n for n, _ in out if n]
     if len(set(names)) != len(names):
         raise BadOption("--server: two configurations with the same name")

@@ -58,10 +58,10 @@ class SpecChatApp(App):
 
     TITLE = "specchat"
     CSS_PATH = Path(__file__).with_name("app.tcss")  # absolute, so subclasses in other folders (the tests') find it
-    # keys.py: modes on F2..F10 (listed in the panel, the help and the palette, not the footer, which must fit
+    # keys.py: modes on F2..F11 (listed in the panel, the help and the palette, not the footer, which must fit
     # 80 columns), every other action on F1, Esc or a ctrl key
     BINDINGS = [
-        # F2..F10: the session's modes in order (MODES locally, the server configurations on a remote session)
+        # F2..F11: the session's modes in order (MODES locally, the server configurations on a remote session)
         *(Binding(f"f{i + 2}", f"mode_key({i})", f"mode {i + 1}", show=False, id=f"mode.{i + 1}") for i in range(MAX_MODES)),
         *(Binding(keys, action, label, id=f"app.{action}", show=action not in NOT_IN_FOOTER, priority=action == "quit")
           for action, (keys, label, _) in ACTION_KEYS.items()),
@@ -397,7 +397,7 @@ class SpecChatApp(App):
 
     # ------------------------------------------------------------------ modes
     def action_mode_key(self, index: int) -> None:
-        """F2..F10: the session's index-th mode (a key past the last mode says so)."""
+        """F2..F11: the session's index-th mode (a key past the last mode says so)."""
         modes = list(self.modes)
         if index >= len(modes):
             self.notify(f"F{index + 2}: no mode on this key ({len(modes)} modes: F2..F{len(modes) + 1})", timeout=3)

@@ -1,6 +1,7 @@
 """The chat's keys in one place, computed from the list of modes, so a test can check that none clash.
 
-Modes take F2..F10 in MODES order (nine at most); every other action is on F1, Esc or a ctrl key that
+Modes take F2..F11 in MODES order (ten at most; F11, which some terminals keep for full screen, is the last
+mode's, suffix; every mode is in the palette too); every other action is on F1, Esc or a ctrl key that
 terminals deliver and that Textual does not already use (ctrl+c copies, ctrl+p opens the palette, ctrl+q
 quits), so adding a mode never moves or shadows another action's key.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-MAX_MODES = 9  # F2..F10
+MAX_MODES = 10  # F2..F11
 
 # action -> (keys as Textual names them, comma-separated aliases; the footer's label; what the help says)
 ACTION_KEYS: dict[str, tuple[str, str, str]] = {
@@ -36,7 +37,7 @@ def mode_keys(modes: Iterable[str]) -> dict[str, str]:
     """mode -> its key (Textual's name, e.g. "f2"), in order; more than MAX_MODES modes would reach F11."""
     modes = list(modes)
     if len(modes) > MAX_MODES:
-        raise ValueError(f"{len(modes)} modes, but only F2..F10 ({MAX_MODES}) are mode keys")
+        raise ValueError(f"{len(modes)} modes, but only F2..F11 ({MAX_MODES}) are mode keys")
     return {mode: f"f{i}" for i, mode in enumerate(modes, start=2)}
 
 

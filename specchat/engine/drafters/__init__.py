@@ -12,6 +12,7 @@ from specchat.engine.drafters.lowrank import LowRankDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
+from specchat.engine.drafters.suffix import SuffixDrafter
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.llamacpp import on_llama_cpp
 
@@ -26,10 +27,11 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "lookup": LookupDrafter,
     "head": HeadDrafter,
     "auto": AutoDrafter,
+    "suffix": SuffixDrafter,
 }
 
 
-# the modes a GGUF target on llama.cpp cannot run, and why (off, lookup, draft, quant and auto can)
+# the modes a GGUF target on llama.cpp cannot run, and why (off, lookup, suffix, draft, quant and auto can)
 TORCH_ONLY = {
     "layerskip": "runs a subset of the target's layers, which llama.cpp does not expose",
     "earlyexit": "runs the target's first layers alone, which llama.cpp does not expose",
