@@ -80,7 +80,7 @@ def main() -> None:
                 runs[p["name"]][config].append(generate(p["prompt"], "off" if config == "off" else "auto", state, args))
     print(f"load average after: {os.getloadavg()}\n")
 
-    print(f"| prompt | off tok/s | auto, nothing learnt | auto, learnt | rounds by mode (learnt, last rep) |")
+    print("| prompt | off tok/s | auto, nothing learnt | auto, learnt | rounds by mode (learnt, last rep) |")
     print("|---|---|---|---|---|")
     ratios = {c: [] for c in configs[1:]}
     for name, by in runs.items():

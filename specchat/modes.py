@@ -12,7 +12,7 @@ MODES: dict[str, str] = {
     "quant": "an int8 weight copy of the target",
     "lookup": "prompt lookup: n-gram matches in the conversation, no model",
     "head": "a small draft head trained on the target's own features (specchat train-head)",
-    "auto": "each round, the fastest of off, lookup, head, quant and draft as measured here (earlier sessions too)",
+    "auto": "each round, the fastest of off, suffix, head, quant and draft as measured here (earlier sessions too)",
     "suffix": "suffix matches in this and the saved conversations, most frequent continuation, no model",
 }
 

@@ -12,7 +12,7 @@ from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.auto import (FIRST_WAIT, HALF_LIFE_DAYS, MAX_WAIT, MIN_ROUNDS, REMEMBERED_WAIT, WARMUP,
                                            AutoDrafter, Rate)
 from specchat.engine.drafters.base import Drafter
-from specchat.engine.drafters.lookup import LookupDrafter
+from specchat.engine.drafters.suffix import SuffixDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.sampling import SamplingParams
@@ -26,10 +26,10 @@ class Named(Drafter):
         self.name = name
 
 
-def scripted_auto(lookup: bool = False, memory=None) -> AutoDrafter:
+def scripted_auto(suffix: bool = False, memory=None) -> AutoDrafter:
     candidates = {"off": PlainDecoding(), "head": Named("head")}
-    if lookup:
-        candidates["lookup"] = LookupDrafter()
+    if suffix:
+        candidates["suffix"] = SuffixDrafter()
     return AutoDrafter(candidates, memory)
 
 
@@ -163,22 +163,22 @@ def test_a_change_of_load_moves_the_choice():
     assert later[16:].count("head") <= 4  # within a window head's estimate has slowed down: only re-measured since (2 rounds a time)
 
 
-def test_lookup_runs_only_where_it_has_a_match():
-    auto = scripted_auto(lookup=True)
+def test_suffix_runs_only_where_it_has_a_match():
+    auto = scripted_auto(suffix=True)
     no_repeat = [5, 6, 7, 8]
-    assert "lookup" not in play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 20, tokens=no_repeat)
-    repeats = [5, 6, 7, 8, 5, 6]  # "5 6" occurred before: lookup can draft "7 8"
-    assert play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 20, tokens=repeats)[-10:].count("lookup") >= 8  # (head re-measured)
+    assert "suffix" not in play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 20, tokens=no_repeat)
+    repeats = [5, 6, 7, 8, 5, 6]  # "5 6" occurred before: suffix can draft "7 8"
+    assert play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 20, tokens=repeats)[-10:].count("suffix") >= 8  # (head re-measured)
 
 
-def test_lookup_is_measured_per_length_of_its_match():
-    auto = scripted_auto(lookup=True)
+def test_suffix_is_measured_per_length_of_its_match():
+    auto = scripted_auto(suffix=True)
     copying = [1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4, 5, 6, 7]  # the last 7 tokens occurred before
-    assert auto.lookup_arm(copying) == "lookup≥6" and auto.lookup_arm([1, 2, 9, 8, 1, 2]) == "lookup2"
-    assert auto.lookup_arm([1, 2, 3, 9, 2, 3]) == "lookup2" and auto.lookup_arm([5, 1, 2, 3, 9, 1, 2, 3]) == "lookup3-5"
-    assert auto.lookup_arm([1, 2, 3, 4]) is None
-    play(auto, {"off": 100.0, "head": 130.0, "lookup": 300.0}, 3 * WARMUP, tokens=copying)
-    assert auto.rates["lookup≥6"].rounds > 0 and auto.rates["lookup2"].rounds == 0
+    assert auto.match_arm(copying) == "suffix≥6" and auto.match_arm([1, 2, 9, 8, 1, 2]) == "suffix2"
+    assert auto.match_arm([1, 2, 3, 9, 2, 3]) == "suffix2" and auto.match_arm([5, 1, 2, 3, 9, 1, 2, 3]) == "suffix3-5"
+    assert auto.match_arm([1, 2, 3, 4]) is None
+    play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 3 * WARMUP, tokens=copying)
+    assert auto.rates["suffix≥6"].rounds > 0 and auto.rates["suffix2"].rounds == 0
 
 
 def test_a_round_without_drafts_counts_for_the_mode_that_ran_it():
@@ -243,15 +243,15 @@ def test_expected_tokens_average_to_the_emitted_tokens(tiny_target, tiny_draft):
 
 class EveryRound(AutoDrafter):
     """auto with the choice replaced by a rotation on the length so far: the mode changes from round to round
-    (lookup only where it has a match), and every draw from the prompt starts with the last candidate."""
+    (suffix only where it has a match), and every draw from the prompt starts with the last candidate."""
 
     def choose(self, tokens):
-        arms = [arm for arm, mode in self.arm_mode.items() if mode != "lookup"] + [a for a in [self.lookup_arm(tokens)] if a]
+        arms = [arm for arm, mode in self.arm_mode.items() if mode != "suffix"] + [a for a in [self.match_arm(tokens)] if a]
         return arms[(len(tokens) - len(PROMPT) - 1) % len(arms)], "rotation"
 
 
 def rotation(draft) -> EveryRound:
-    return EveryRound({"off": PlainDecoding(), "lookup": LookupDrafter(), "draft": ModelDrafter(draft)})
+    return EveryRound({"off": PlainDecoding(), "suffix": SuffixDrafter(), "draft": ModelDrafter(draft)})
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -265,7 +265,7 @@ def test_greedy_is_plain_greedy_while_switching_every_round(tiny_target, tiny_dr
 def test_greedy_with_the_real_choice(tiny_target, tiny_draft):
     plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
     auto = build_drafter("auto", tiny_target, tiny_draft)
-    assert set(auto.candidates) == {"off", "lookup", "quant", "draft"}  # no head for a random model
+    assert set(auto.candidates) == {"off", "suffix", "quant", "draft"}  # no head for a random model
     out, records = run(tiny_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
     assert out == plain and {r.mode for r in records} >= {"off", "draft"}
 
@@ -286,13 +286,13 @@ def test_sampled_output_matches_target_distribution_while_switching(tiny_target,
     """K=3, draws of K+1 tokens, a different mode every round (the first one drafts with the model)."""
     draft = bigram_draft(tiny_target, scale=2.0)  # agrees often enough to reach draft position 3, over-confident
     make_draft, make_rule = BUGS[bug] if bug else (ModelDrafter, lambda: None)
-    auto = EveryRound({"off": PlainDecoding(), "lookup": LookupDrafter(), "draft": make_draft(draft)})
+    auto = EveryRound({"off": PlainDecoding(), "suffix": SuffixDrafter(), "draft": make_draft(draft)})
     fit, stats = sample_and_fit(tiny_target, auto, SAMPLING_CASES[case], k=3, draws=1000, rule=make_rule())
     assert_verdict(fit, stats, 3, bug, record_property)
 
 
 def test_verify_and_generate_run_auto(tmp_path):
-    """The commands build auto from the loaded models (here off, lookup, quant's int8 copy and the draft model) and
+    """The commands build auto from the loaded models (here off, suffix, quant's int8 copy and the draft model) and
     run it."""
     import json
 
@@ -310,4 +310,4 @@ def test_verify_and_generate_run_auto(tmp_path):
                            catch_exceptions=False)
     summary = json.loads(r.stdout.splitlines()[-1])
     assert r.exit_code == 0 and summary["mode"] == "auto" and summary["new_tokens"] == 120
-    assert set(summary["rounds_by_mode"]) <= {"off", "lookup", "quant", "draft"} and {"quant", "draft"} <= set(summary["rounds_by_mode"])
+    assert set(summary["rounds_by_mode"]) <= {"off", "suffix", "quant", "draft"} and {"quant", "draft"} <= set(summary["rounds_by_mode"])

@@ -223,7 +223,7 @@ def test_quant_drafts_with_a_smaller_quantisation_of_the_target(tmp_path, torch_
 
 def test_auto_on_llama_cpp_chooses_among_the_modes_it_can_run(gguf_target, gguf_other_draft):
     auto = build_drafter("auto", gguf_target, gguf_other_draft)
-    assert set(auto.candidates) == {"off", "lookup", "draft"}
+    assert set(auto.candidates) == {"off", "suffix", "draft"}
     out, records = run(gguf_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=60)
     plain, _ = run(gguf_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=60)
     assert out == plain
@@ -252,7 +252,7 @@ def test_a_session_runs_auto_on_llama_cpp_and_says_which_engine(gguf_loaded):
     session = Session(gguf_loaded, mode="auto", sampling=SamplingParams(0.7), seed=1, max_new_tokens=24)
     assert isinstance(session.state, LlamaTargetState) and session.engine_label == "llama.cpp" and session.dtype_label == "F32"
     auto = session.controls.drafter
-    assert isinstance(auto, AutoDrafter) and {"off", "lookup", "quant"} <= set(auto.candidates)  # quant: a Q4_0 copy of an F32 file
+    assert isinstance(auto, AutoDrafter) and {"off", "suffix", "quant"} <= set(auto.candidates)  # quant: a Q4_0 copy of an F32 file
     rounds = list(session.reply("hello world hello world"))
     assert rounds and session.turns[-1].reply_ids == [t.id for r in rounds for t in r.tokens]
     assert session.eos_ids == {gguf_loaded.tokenizer.eos_token_id}

@@ -1,6 +1,8 @@
 """A conversation over several turns in every mode: the target cache is reused across turns (earlyexit even
 writes into it), and every turn's reply is what a fresh session gives for the same ids."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -56,3 +58,27 @@ def test_auto_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_p
     monkeypatch.setattr("specchat.threads.setting", lambda: "7")
     other = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16)
     assert other.controls.drafter.memory.path != saved and not other.controls.drafter.known
+
+
+def test_suffix_drafts_from_the_saved_conversations(tiny, monkeypatch, tmp_path):
+    """Mode suffix's corpus is the user's saved conversations, tokenised with this target's chat template: a new
+    conversation that starts to repeat a saved reply gets that reply's continuation as drafts."""
+    import json
+
+    from specchat import history
+
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path))
+    saved = [{"role": "user", "content": "name the planets"}, {"role": "assistant", "content": "mercury venus earth mars jupiter"}]
+    folder = history.conversations_dir()
+    folder.mkdir(parents=True)
+    (folder / "a.json").write_text(json.dumps({"format": history.FORMAT, "updated": "2026-12-01T10:00:00+00:00",
+                                               "model": "tiny", "turns": [], "messages": saved}))
+    (folder / "junk.json").write_text("{not json")  # skipped
+    session = Session(tiny, mode="suffix", sampling=SamplingParams(0), max_new_tokens=8)
+    drafter = session.controls.drafter
+    ids = tiny.chat_ids(saved)
+    assert list(drafter.references) == [ids]
+    cut = len(ids) - 4  # the conversation so far ends 4 tokens before the saved reply does
+    proposal = drafter.propose(SimpleNamespace(tokens=[7, 7] + ids[:cut], device=torch.device("cpu")), 3, None, None)
+    assert proposal.ids.tolist() == ids[cut : cut + 3]
+    assert Session(tiny, mode="suffix", max_new_tokens=8, earlier_sessions=False).controls.drafter.corpus_tokens == 0

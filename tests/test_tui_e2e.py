@@ -96,7 +96,7 @@ def test_next_turn_continues_the_exact_ids_so_the_whole_cache_is_reused(default_
 
 @pytest.mark.asyncio
 async def test_the_chat_s_default_mode_auto_with_the_default_model(default_model):
-    """What `specchat` opens with: mode auto over off, lookup, the shipped head and quant's int8 copy. The reply is
+    """What `specchat` opens with: mode auto over off, suffix, the shipped head and quant's int8 copy. The reply is
     plain greedy's, the head is tried, and the panel says what auto runs."""
     from specchat.session import Session
     from test_tui import panel_text
@@ -105,7 +105,7 @@ async def test_the_chat_s_default_mode_auto_with_the_default_model(default_model
     plain = Session(default_model, mode="off", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=40)
     list(plain.reply(question))
     session = Session(default_model, mode="auto", sampling=SamplingParams(temperature=0.0), seed=0, max_new_tokens=40)
-    assert set(session.controls.drafter.candidates) == {"off", "lookup", "head", "quant"}
+    assert set(session.controls.drafter.candidates) == {"off", "suffix", "head", "quant"}
     app = SpecChatApp(session)
     async with app.run_test(size=(120, 40)) as pilot:
         app.query_one("#prompt", Input).value = question

@@ -283,7 +283,8 @@ def bench_servers(opts: dict) -> None:
                 if mode not in MODES:
                     raise UserError(f"unknown mode {mode!r} in --modes; choose from {', '.join(MODES)}")
                 session = Session(target, draft, mode=mode, k=int(opts["draft_lens"].split(",")[0]), sampling=sampling,
-                                  seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], mode_options=mode_settings(opts))
+                                  seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], mode_options=mode_settings(opts),
+                                  earlier_sessions=False)  # as the local bench: nothing learnt or saved before counts
                 configs[f"local-{mode}"] = session
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as progress:

@@ -1,7 +1,7 @@
-"""Mode `auto`: each round, the mode measured fastest so far in this session.
+"""Mode `auto`: each round, the mode measured fastest so far (in this session, and earlier ones on this setup).
 
-It does not draft itself: `for_round` hands the loop one of its candidates (plain decoding, prompt lookup, the
-draft head, the int8 copy of mode quant, a draft model: whichever can run), and the loop runs that round
+It does not draft itself: `for_round` hands the loop one of its candidates (plain decoding, the suffix drafter,
+the draft head, the int8 copy of mode quant, a draft model: whichever can run), and the loop runs that round
 exactly as if the user had chosen that mode. The choice depends only on earlier rounds, never on this round's
 draws, and every candidate is exact, so `auto` is exact too.
 
@@ -27,10 +27,12 @@ reply runs the best known mode at once. A remembered rate weighs as PRIOR_ROUNDS
 HALF_LIFE_DAYS since it was measured (forgotten under one round: measured afresh), so the session's own rounds
 replace it within a few; and an arm known only from memory is re-measured after REMEMBERED_WAIT rounds, so a
 change of load since (or a rate learnt on a quieter day) cannot pin a bad choice. Another CPU or thread setting
-is another file: learnt afresh. Prompt lookup is special: it only
-drafts where the last tokens occurred before, so it is a candidate only in rounds where it has a match, and
-its rate is kept per length of that match (how far back the tokens before it agree too: a copy in progress,
-or a chance bigram).
+is another file: learnt afresh.
+
+The suffix drafter is special: it only drafts where the last tokens occurred before (in this conversation or a
+saved one), so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
+match (a copy in progress, or a chance bigram). It replaced prompt lookup here, its special case: on the
+multi-turn chats of benchmarks/multiturn.py it beat lookup on every conversation (README, mode suffix).
 
 Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
 model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would
@@ -47,13 +49,13 @@ from dataclasses import dataclass
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.errors import ModeUnavailable
 
-CANDIDATES = ("off", "lookup", "head", "quant", "draft")  # in the order their first rounds run
+CANDIDATES = ("off", "suffix", "head", "quant", "draft")  # in the order their first rounds run
 CACHED = {"head", "quant", "draft"}  # drafters that catch up on the positions they missed when they run again
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
 MIN_ROUNDS = 2  # counted rounds every candidate runs before the choice starts
 WARMUP = 6  # a candidate that could still beat the leader is measured up to this many rounds
 # the upper bound of a rate measured over n rounds: rate * (1 + SPREAD / sqrt(n)); a round's rate varied with a
-# coefficient of variation of 0.22 (quant) to 0.8-0.9 (lookup, plain decoding) on the default model under load 2.8
+# coefficient of variation of 0.22 (quant) to 0.8-0.9 (prompt lookup, plain decoding) on the default model under load 2.8
 SPREAD = 0.5
 PRIOR_ROUNDS = 3  # a remembered rate weighs as this many rounds of this session (halved every HALF_LIFE_DAYS)
 HALF_LIFE_DAYS = 7.0
@@ -61,13 +63,13 @@ REMEMBERED_WAIT = 8  # an arm known only from earlier sessions runs again after 
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss
 HYSTERESIS = 0.05  # another mode must be this much faster to replace the one running
-# lookup's arms: a long match (the tokens before it agree too) predicts a copy, a 2-token one is a guess
-LOOKUP_ARMS = ((6, "lookup≥6"), (3, "lookup3-5"), (0, "lookup2"))  # (shortest match, arm), longest first
+# the suffix drafter's arms: a long match predicts a copy, a 2-token one is a guess
+MATCH_ARMS = ((6, "suffix≥6"), (3, "suffix3-5"), (1, "suffix2"))  # (shortest match, arm), longest first
 
 
 @dataclass
 class Rate:
-    """Exponentially weighted tokens and seconds per round of one arm (a mode; lookup has one per match length)."""
+    """Exponentially weighted tokens and seconds per round of one arm (a mode; suffix has one per match length)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -138,10 +140,10 @@ class AutoDrafter(Drafter):
         if "off" not in candidates:
             raise ValueError("auto needs plain decoding among its candidates")
         self.candidates = candidates
-        # the arms whose rates are compared: one per mode, and lookup split by the length of its match
-        self.arm_mode = {mode: mode for mode in candidates if mode != "lookup"}
-        if "lookup" in candidates:
-            self.arm_mode.update({label: "lookup" for _, label in LOOKUP_ARMS})
+        # the arms whose rates are compared: one per mode, and suffix split by the length of its match
+        self.arm_mode = {mode: mode for mode in candidates if mode != "suffix"}
+        if "suffix" in candidates:
+            self.arm_mode.update({label: "suffix" for _, label in MATCH_ARMS})
         self.memory = memory
         self.known = memory.load() if memory is not None else {}  # setting -> arm -> a rate saved by an earlier session
         self.tables: dict[str, dict[str, Rate]] = {}  # sampling setting (setting_key) -> arm -> its rate
@@ -193,20 +195,17 @@ class AutoDrafter(Drafter):
         self.choice = self.arm_mode[self.arm]
         return self.candidates[self.choice]
 
-    def lookup_arm(self, tokens: list[int]) -> str | None:
-        """Lookup's arm for this context (by how long its match is), or None when it has no match."""
-        lookup = self.candidates.get("lookup")
-        end = lookup.match(tokens) if lookup is not None else None
-        if end is None:
-            return None
-        length = lookup.match_length(tokens, end)
-        return next(label for shortest, label in LOOKUP_ARMS if length >= shortest)
+    def match_arm(self, tokens: list[int]) -> str | None:
+        """The suffix drafter's arm for this context (by how long its match is), or None when it has no match."""
+        suffix = self.candidates.get("suffix")
+        length = suffix.match_length(tokens) if suffix is not None else 0
+        return next((label for shortest, label in MATCH_ARMS if length >= shortest), None) if length else None
 
     def choose(self, tokens: list[int]) -> tuple[str, str]:
         """The arm for the next round and why, from the rates so far."""
         rates = self.rates
-        lookup = self.lookup_arm(tokens)
-        eligible = [arm for arm, mode in self.arm_mode.items() if mode != "lookup" or arm == lookup]
+        matched = self.match_arm(tokens)
+        eligible = [arm for arm, mode in self.arm_mode.items() if mode != "suffix" or arm == matched]
         for arm in eligible:
             if rates[arm].rounds < MIN_ROUNDS:
                 return arm, "measuring every mode first"
