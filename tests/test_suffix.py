@@ -105,6 +105,64 @@ def test_the_confidence_threshold_stops_at_a_rare_branch():
     assert drafts(d, tokens) == [3] and d.confidence == 1.0
 
 
+def test_a_draft_stops_below_the_threshold_not_at_it():
+    tokens = [1, 2, 3, 10, 1, 2, 3, 11, 1, 2, 3, 12, 1, 2, 3, 13, 1, 2, 3, 14, 1, 2]  # "14" has confidence exactly 0.2
+    assert drafts(SuffixDrafter(min_confidence=0.2, alpha=4), tokens) == [3, 14, 1, 2]
+
+
+def test_build_passes_every_option_and_bad_ones_are_refused():
+    d = SuffixDrafter.build(None, references=[[1, 2, 3]], min_match=3, alpha=2.0, min_confidence=0.5, max_corpus=7)
+    assert (list(d.references), d.min_match, d.alpha, d.min_confidence, d.max_corpus) == ([[1, 2, 3]], 3, 2.0, 0.5, 7)
+    assert d.confidence == 0.0  # nothing proposed yet
+    SuffixDrafter(min_match=1, alpha=0.01, max_corpus=1)  # the smallest allowed
+    for bad in ({"min_match": 0}, {"alpha": 0.0}, {"max_corpus": 0}):
+        with pytest.raises(ValueError, match="need min_match >= 1, alpha > 0, max_corpus >= 1"):
+            SuffixDrafter(**bad)
+
+
+def test_the_corpus_cap_drops_the_oldest_down_to_half():
+    """Over the cap (11), the oldest sequences go until at most half of it (5) is left; at the cap, none goes."""
+    d = SuffixDrafter(references=[[1] * 6, [2], [3] * 4], max_corpus=11)
+    assert [len(ids) for ids in d.references] == [6, 1, 4] and d.corpus_tokens == 11
+    d.add_reference([4])
+    assert [len(ids) for ids in d.references] == [4, 1] and d.corpus_tokens == 5
+
+
+def test_a_single_token_match_in_the_corpus_drafts_when_allowed():
+    assert drafts(SuffixDrafter(min_match=1, references=[[5, 9]]), [7, 5]) == [9]
+
+
+def test_a_reference_added_later_is_matched_from_the_start_of_the_context():
+    d = SuffixDrafter(references=[[8]])
+    assert d.match_length([2, 3]) == 0
+    d.add_reference([1, 2, 3, 4, 5, 6])
+    assert d.match_length([2, 3]) == 2 and drafts(d, [2, 3]) == [4, 5]
+    d = SuffixDrafter(references=[[5, 7, 9, 1]])
+    assert drafts(d, [7, 9]) == [1]
+    d.add_reference([7, 9, 2])
+    d.add_reference([7, 9, 2])
+    assert drafts(d, [7, 9]) == [2]  # "7 9" is now followed by 2 twice, by 1 once (the match starts at the root)
+
+
+def test_the_automaton_is_minimal():
+    """As many states as there are classes of substrings with the same end positions (plus the root), each with
+    the length of its longest string: the online construction's invariant (a correct but bloated automaton, e.g.
+    one that always clones, drafts the same and costs more)."""
+    for seed in range(3):
+        r = random.Random(seed)
+        seq = [r.randrange(3) for _ in range(40)]
+        automaton = SuffixAutomaton()
+        automaton.extend(seq)
+        classes: dict[tuple, int] = {}
+        for i in range(len(seq)):
+            for j in range(i + 1, len(seq) + 1):
+                sub = seq[i:j]
+                ends = tuple(e for e in range(len(sub), len(seq) + 1) if seq[e - len(sub) : e] == sub)
+                classes[ends] = max(classes.get(ends, 0), len(sub))
+        assert len(automaton.length) == len(classes) + 1
+        assert sorted(automaton.length[1:]) == sorted(classes.values())
+
+
 # ---------------------------------------------------------------- against brute force
 
 
@@ -177,6 +235,8 @@ def test_proposing_after_one_more_token_does_not_rebuild():
     assert d.appended == 1999
     drafts(d, tokens)
     assert d.appended == 2000 and d.context is context  # one token appended, the same automaton
+    drafts(d, tokens)
+    assert d.appended == 2000 and d.context is context  # the same tokens again: nothing appended
     drafts(d, tokens[:1000])  # rewound: rebuilt from the start
     assert d.appended == 3000 and d.context is not context
 

@@ -32,8 +32,8 @@ is another file: learnt afresh.
 The suffix drafter is special: it only drafts where the last tokens occurred before (in this conversation or a
 saved one), so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
 match (a copy in progress, or a chance bigram). It replaced prompt lookup here, its special case: on the
-multi-turn chats of benchmarks/multiturn.py it beat lookup on every conversation on llama.cpp and was level
-with it on torch (README, mode suffix).
+multi-turn chats of benchmarks/multiturn.py it beat lookup in 7 of 8 conversation-runs on llama.cpp and was
+level with it on torch (README, mode suffix).
 
 Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
 model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would
