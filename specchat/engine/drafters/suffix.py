@@ -14,14 +14,15 @@ never a real token, so no match spans two sequences), one over the conversation 
 each round, rebuilt only when the conversation was rewound or replaced, as lookup's index is). Each state
 counts its occurrences and remembers its latest one, both kept online.
 
-Choices, from replaying the default model's greedy replies to the 21 bench prompts (benchmarks/*.jsonl, up to
-200 tokens each) through the drafter, a verify of K+1 positions costing 1 + 0.05 K plain steps (README) and
-the drafter's own ~20 us a round left out, K=8:
-- alpha 1 (at most one draft per matched token, SuffixDecoding's max_spec_factor, vLLM's default): 1.30x plain
-  (1.34x with each earlier reply added to the corpus), against 1.29x (1.33x) with alpha 0.5, 1.30x (1.34x)
-  with 2, 1.29x (1.30x) with 4 or no cap, and lookup's 1.28x: a short match is a weak predictor.
+Choices, from replaying the default model's greedy replies to the 15 tuning prompts (bench-prompts-short and
+head-prompts in benchmarks/, up to 200 tokens each; never the held-out ones, which every reported figure uses)
+through the drafter, a verify of K+1 positions costing 1 + 0.05 K plain steps (README) and the drafter's own
+~20 us a round left out, K=8:
+- alpha 1 (at most one draft per matched token, SuffixDecoding's max_spec_factor, vLLM's default): 1.27x plain
+  (1.29x with each earlier reply added to the corpus), against 1.26x (1.28x) with alpha 0.5, 1.27x (1.28x)
+  with 2, 1.26x (1.25x) with 4 or no cap, and lookup's 1.25x: a short match is a weak predictor.
 - min_confidence 0.1 (vLLM's default): the product of the frequencies along a draft estimates the chance it
-  is reached and accepted, and a draft pays above ~0.05, its cost; 0 to 0.2 gave the same within 0.1%.
+  is reached and accepted, and a draft pays above ~0.05, its cost; 0 to 0.2 gave the same within 0.3%.
 - min_match 2, as lookup's min_ngram: single-token matches are mostly wrong guesses.
 
 Costs (pure Python 3.11, dict transitions, this 2-core CPU):
