@@ -171,15 +171,16 @@ def exact_joint(target, prompt, params, length):
     return dist
 
 
-def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0, generated=None, stats=None, adaptive=None):
-    """`draws` independent generations of `generated` tokens (default `length`) from PROMPT (the prefix cache is
+def sample_joint(target, drafter, params, *, k, draws, length, rule=None, seed=0, generated=None, stats=None, adaptive=None,
+                 prompt=PROMPT):
+    """`draws` independent generations of `generated` tokens (default `length`) from `prompt` (the prefix cache is
     reused); the counts of their first `length` tokens. `stats` (a Stats) collects every round.
 
     The loop never drafts past the token budget, so a draw of `length` tokens drafts at most length-1: a test
     of draft position K needs `generated` >= K+1 (then the first round drafts all K)."""
     controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}), adaptive=adaptive)
     generator = torch.Generator().manual_seed(seed)
-    drawn = sample_continuations(target_state(target), PROMPT, controls, draws=draws, length=max(length, generated or 0),
+    drawn = sample_continuations(target_state(target), prompt, controls, draws=draws, length=max(length, generated or 0),
                                  eos_ids=set(), generator=generator, stats=stats)
     counts = Counter()
     for seq, count in drawn.items():
@@ -212,21 +213,21 @@ class PositionFit:
         return f"PositionFit(p={self.p_value:.3g}, per position {[f'{p:.3g}' for p in self.per_position]})"
 
 
-def fit_to_target(target, counts: Counter, params, depth: int) -> PositionFit:
-    positions, _, _ = conditional_tests(counts, TargetConditionals(target, PROMPT, params), depth)
+def fit_to_target(target, counts: Counter, params, depth: int, prompt=PROMPT) -> PositionFit:
+    positions, _, _ = conditional_tests(counts, TargetConditionals(target, prompt, params), depth)
     return PositionFit(positions, min(1.0, depth * min(p["combined_p"] for p in positions)))
 
 
-def sample_and_fit(target, drafter, params, *, k, draws, rule=None, seed=0, adaptive=None, depth=None):
-    """Draws that generate K+1 tokens (more with `depth`), their first `depth` (default K+1) tokens tested
-    with `fit_to_target`; also the Stats of every round, to check which draft positions were really used."""
+def sample_and_fit(target, drafter, params, *, k, draws, rule=None, seed=0, adaptive=None, depth=None, prompt=PROMPT):
+    """Draws from `prompt` that generate K+1 tokens (more with `depth`), their first `depth` (default K+1) tokens
+    tested with `fit_to_target`; also the Stats of every round, to check which draft positions were really used."""
     from specchat.engine.metrics import Stats
 
     depth = depth or k + 1
     stats = Stats()
     counts = sample_joint(target, drafter, params, k=k, draws=draws, length=depth, generated=k + 1, rule=rule, seed=seed,
-                          stats=stats, adaptive=adaptive)
-    return fit_to_target(target, counts, params, depth), stats
+                          stats=stats, adaptive=adaptive, prompt=prompt)
+    return fit_to_target(target, counts, params, depth, prompt), stats
 
 
 def assert_drafted_up_to(stats, k: int) -> None:

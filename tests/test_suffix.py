@@ -6,14 +6,11 @@ import random
 import pytest
 import torch
 
-from helpers import ALPHA, PositionFit, ResampleFromP, ResampleFromPFrom, assert_drafted_up_to, assert_greedy_rounds, run, tiny_llama
+from helpers import (ALPHA, ResampleFromP, ResampleFromPFrom, assert_drafted_up_to, assert_greedy_rounds, run, sample_and_fit,
+                     tiny_llama)
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.suffix import SuffixAutomaton, SuffixDrafter
-from specchat.engine.loop import Controls
-from specchat.engine.metrics import Stats
 from specchat.engine.sampling import SamplingParams
-from specchat.engine.target import TargetState
-from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
 
 
 class Tokens:
@@ -279,18 +276,6 @@ def peaked():
     return tiny_llama(seed=0, layers=2, sharpen=8.0, initializer_range=0.1).requires_grad_(False)
 
 
-def sample_and_fit_suffix(target, prompt, params, *, k, draws, rule=None, seed=0):
-    """Draws of K+1 tokens from `prompt`, their first K+1 tested position by position (Bonferroni over the
-    positions); also the Stats of every round."""
-    stats = Stats()
-    controls = Controls(SuffixDrafter(), k=k, sampling=params, **({"rule": rule} if rule else {}))
-    g = torch.Generator().manual_seed(seed)
-    counts = sample_continuations(TargetState(target), prompt, controls, draws=draws, length=k + 1, eos_ids=set(),
-                                  generator=g, stats=stats)
-    positions, _, _ = conditional_tests(counts, TargetConditionals(target, prompt, params), k + 1)
-    return PositionFit(positions, min(1.0, (k + 1) * min(p["combined_p"] for p in positions))), stats
-
-
 CASES = {"t1": SamplingParams(1.0), "t0.7-topk5": SamplingParams(0.7, top_k=5)}
 
 
@@ -301,7 +286,7 @@ def test_sampled_output_matches_target_distribution(peaked, record_property, cas
     (q is one-hot, so no wrong q: a wrong residual instead) is broken only at draft position 3 and must fail at
     the same settings; measured p = 3.0e-25 (t1), 4.8e-20 (t0.7-topk5), all at position 3."""
     rule = ResampleFromPFrom(3) if bug else None
-    fit, stats = sample_and_fit_suffix(peaked, PEAKED_PROMPT, CASES[case], k=3, draws=500, rule=rule)
+    fit, stats = sample_and_fit(peaked, SuffixDrafter(), CASES[case], k=3, draws=500, rule=rule, prompt=PEAKED_PROMPT)
     record_property("p_value", fit.p_value)
     assert_drafted_up_to(stats, 3)
     assert stats.num_accepted_tokens_per_pos[2] > 200  # draft 3 is judged, and often kept: not only proposed
@@ -314,7 +299,7 @@ def test_sampled_output_matches_target_distribution(peaked, record_property, cas
 def test_distribution_test_catches_a_broken_rule_with_one_hot_q(peaked, record_property):
     """Resampling from p (not p with the draft removed) after any rejected one-hot draft must fail (measured:
     p = 3.0e-19)."""
-    fit, stats = sample_and_fit_suffix(peaked, PEAKED_PROMPT, CASES["t1"], k=3, draws=500, rule=ResampleFromP())
+    fit, stats = sample_and_fit(peaked, SuffixDrafter(), CASES["t1"], k=3, draws=500, rule=ResampleFromP(), prompt=PEAKED_PROMPT)
     record_property("p_value", fit.p_value)
     assert_drafted_up_to(stats, 3)
     assert fit.p_value < 1e-6, fit
