@@ -61,7 +61,7 @@ def test_verify_lookup_drafts_on_its_default_prompt():
 def test_no_subcommand_starts_the_chat_or_says_why(monkeypatch):
     import specchat.tui.app as app  # noqa: F401 - fails loudly once the TUI exists but breaks
 
-    monkeypatch.setattr(app, "run_chat", lambda session, **kw: print("CHAT", session.mode))
+    monkeypatch.setattr(app, "run_chat", lambda session=None, load=None, **kw: print("CHAT", (session or load()).mode))
     r = invoke("--max-new-tokens", 4)
     assert r.exit_code == 0 and "CHAT auto" in r.output  # the chat's default mode
     r = invoke("--max-new-tokens", 4, "--mode", "off")

@@ -103,9 +103,14 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_and_nonzero(case):
+def test_bad_input_is_one_line_and_nonzero(case, monkeypatch):
     """Every bad input fails before a model loads (no model is needed here): exit status non-zero, exactly one
-    line of output (stdout and stderr together), and no exception escaped click (no traceback)."""
+    line of output (stdout and stderr together), and no exception escaped click (no traceback). The chat refuses
+    each before its app shows (it shows before the models load)."""
+    def no_app(*args, **kwargs):
+        raise AssertionError("the chat started before refusing a bad option")
+
+    monkeypatch.setattr("specchat.tui.app.run_chat", no_app)
     args, expected = BAD_INPUTS[case]
     r = invoke("generate", "--prompt", "hi", *args)
     lines = r.output.strip().splitlines()
@@ -142,8 +147,8 @@ def test_an_unwritable_export_path_is_refused_before_any_model_loads(tmp_path, m
 
 
 def test_a_missing_export_folder_that_can_be_created_is_fine(tmp_path, monkeypatch):
-    monkeypatch.setattr("specchat.cli.main.load_session", lambda opts: "SESSION")
-    monkeypatch.setattr("specchat.tui.app.run_chat", lambda session, **kw: print("CHAT", session, kw["export_path"]))
+    monkeypatch.setattr("specchat.cli.main.load_session", lambda opts, **kw: "SESSION")
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda load, **kw: print("CHAT", load(), kw["export_path"]))
     r = invoke("--export", tmp_path / "new" / "folder" / "s.json")
     assert r.exit_code == 0 and "CHAT SESSION" in r.output, r.output
 

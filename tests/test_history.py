@@ -150,7 +150,7 @@ def test_continue_restores_the_messages_and_system_overrides(data, tiny, monkeyp
     session.set_system("Old rules.")
     chat(session, log, "hello world")
     ran = {}
-    monkeypatch.setattr("specchat.tui.app.run_chat", lambda session, **kw: ran.update(session=session, **kw))
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda load, **kw: ran.update(session=load(), **kw))
 
     result = invoke("--target", tiny, "--continue")
     assert result.exit_code == 0, result.output
@@ -164,7 +164,7 @@ def test_continue_restores_the_messages_and_system_overrides(data, tiny, monkeyp
 
 def test_a_new_chat_gets_a_new_conversation_file_and_the_system_message(data, tiny, monkeypatch):
     ran = {}
-    monkeypatch.setattr("specchat.tui.app.run_chat", lambda session, **kw: ran.update(session=session, **kw))
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda load, **kw: ran.update(session=load(), **kw))
     result = invoke("--target", tiny, "--system", "Be brief.")
     assert result.exit_code == 0, result.output
     assert ran["session"].messages == [{"role": "system", "content": "Be brief."}]

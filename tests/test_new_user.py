@@ -25,6 +25,7 @@ def captured(monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(cli_main, "load_session", fake_load)
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda load, **kw: load())  # the chat loads in the app's thread
     return seen
 
 
@@ -65,8 +66,8 @@ def test_an_export_written_nowhere_ends_in_failure(monkeypatch, tmp_path, capsys
     from specchat.tui import app as tui_app
 
     class NoApp:
-        def __init__(self, *a, **kw):
-            pass
+        def __init__(self, session, **kw):
+            self.session, self.load_error, self.loader = session, None, None
 
         def run(self):
             pass

@@ -16,7 +16,7 @@ from specchat.cli.bench import bench
 from specchat.cli.generate import generate
 from specchat.cli.history import history
 from specchat.cli.options import (INTERRUPTED, BadOption, UserError, generation_options, load_session, model_options,
-                                  prepare_process, server_options, system_option)
+                                  preflight, prepare_process, server_options, system_option)
 from specchat.cli.train_head import train_head
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
@@ -93,16 +93,25 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
     for name, value in CHAT_SAMPLING.items():  # the chat samples unless told otherwise; exact either way
         if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
             opts[name] = value
-    session = load_session(opts)
+    if not opts.get("servers"):
+        preflight(opts)  # what is wrong with the options is one line before the app shows
+
+    def load(progress=None):
+        session = load_session(opts, progress=progress)
+        if conversation is not None:  # --system replaces the saved system message
+            session.restore(conversation.messages)
+            if opts.get("system"):
+                session.set_system(opts["system"])
+        return session
 
     from specchat.history import ConversationLog
     from specchat.tui.app import run_chat
 
-    if conversation is not None:  # --system replaces the saved system message
-        session.restore(conversation.messages)
-        if opts.get("system"):
-            session.set_system(opts["system"])
-    run_chat(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
+    log = conversation or ConversationLog()
+    if opts.get("servers"):  # a server answers in a second, and names the modes (its configurations) the app shows
+        run_chat(load(), theme=theme, export_path=export_path, conversation=log)
+    else:  # the app shows at once and loads the models in the background, with a line per stage
+        run_chat(load=load, theme=theme, export_path=export_path, conversation=log)
 
 
 def check_theme(name: str) -> None:

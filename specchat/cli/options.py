@@ -211,8 +211,45 @@ def hub_environment(opts: dict) -> None:
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
 
 
-def load_models(opts: dict, console):
-    """Target and draft (or None) from the model options, with a progress display: (target, draft, device, dtype)."""
+def preflight(opts: dict) -> None:
+    """Refuse what is wrong with the model options before torch or a model loads (the chat is on screen before
+    its models load: a missing file must not flash it). models.resolve and pick_engine check the same again
+    when loading, with the same words; this only answers sooner."""
+    from pathlib import Path
+
+    hub_environment(opts)
+    mode = opts.get("mode") or ("draft" if opts.get("draft") else "off")
+    if mode == "draft" and not opts.get("draft"):
+        raise UserError("--mode draft needs a draft model: pass --draft MODEL")
+    mode_settings(opts)
+    for flag in ("target", "draft"):
+        spec = opts.get(flag)
+        if spec is None:
+            continue
+        path = Path(spec).expanduser()
+        if opts.get("engine") == "llama.cpp" and path.suffix != ".gguf":
+            raise UserError(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
+                            f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {spec} (or use --engine torch)")
+        if path.suffix == ".gguf" and not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a model directory (no config.json)")
+        if path.exists() or path.suffix == ".gguf":
+            continue
+        if spec.count("/") > 1 or spec.startswith((".", "/", "~")):
+            raise UserError(f"model path not found: {spec}")
+        if not opts.get("download"):  # a hub id: from the local cache only
+            from huggingface_hub import try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+                hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+                raise UserError(f"model {spec!r} not found in the local Hugging Face cache ({hf_home}); pass --download to "
+                                f"fetch it from the Hub, or pass a local directory or .gguf file")
+
+
+def load_models(opts: dict, progress):
+    """Target and draft (or None) from the model options, each stage shown by `progress.status(text)` (a Rich
+    Console on stderr, or the chat's own display): (target, draft, device, dtype)."""
     hub_environment(opts)
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
@@ -224,7 +261,7 @@ def load_models(opts: dict, console):
     cached = all(tokenizer_cached(spec) for spec in specs)
     once = "" if cached else " (first start: converting the GGUF tokenizers once into the user cache, tens of seconds)"
     if opts.get("draft"):  # the vocabularies first: a mismatch is one line in a second, not after both models load
-        with console.status(f"Comparing the tokenizers of target and draft{once}..."):
+        with progress.status(f"Comparing the tokenizers of target and draft{once}..."):
             tokenizers = [load_tokenizer(spec, trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
                           for spec in (opts["target"], opts["draft"])]
         once = ""
@@ -235,50 +272,53 @@ def load_models(opts: dict, console):
     engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
-    with console.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
+    with progress.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
         target = load_model(opts["target"], device, dtype, **kwargs)
     draft = None
     if opts.get("draft"):
-        with console.status(f"Loading draft {opts['draft']}..."):
+        with progress.status(f"Loading draft {opts['draft']}..."):
             draft = load_model(opts["draft"], device, dtype, **kwargs)
         check_same_tokenizer(target, draft)
     return target, draft, device, dtype
 
 
-def load_session(opts: dict, *, quiet: bool = False):
-    """Load models with a progress display on stderr and build a Session from the generation options (or, with
-    --server, a RemoteSession: no model loads here and torch is never imported)."""
+def load_session(opts: dict, *, quiet: bool = False, progress=None):
+    """Load models and build a Session from the generation options, each stage shown by `progress` (default: a
+    spinner line on stderr), or, with --server, a RemoteSession: no model loads here and torch is never imported."""
     if opts.get("servers"):
         return load_remote_session(opts)
-    hub_environment(opts)  # before the imports below (transformers, and huggingface_hub with it)
+    preflight(opts)  # sets the hub's environment before the imports below (transformers, and huggingface_hub with it)
+    if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
+        threads.prepare_for_llama_cpp()
     from rich.console import Console
 
-    from specchat.engine.acceptance import parse_rule
-    from specchat.engine.loop import AdaptiveK
-    from specchat.engine.sampling import SamplingParams
-    from specchat.models import LLAMA_CPP_INSTALL, is_gguf
-    from specchat.session import Session
+    progress = progress or Console(stderr=True, quiet=quiet)
+    with progress.status("Starting the engine (importing torch and transformers)..."):
+        from specchat.engine.acceptance import parse_rule
+        from specchat.engine.loop import AdaptiveK
+        from specchat.engine.sampling import SamplingParams
+        from specchat.models import LLAMA_CPP_INSTALL, is_gguf
+        from specchat.session import Session
 
     mode = opts["mode"] or ("draft" if opts.get("draft") else "off")
-    if mode == "draft" and not opts.get("draft"):
-        raise UserError("--mode draft needs a draft model: pass --draft MODEL")
     try:
         rule = parse_rule(opts["accept_rule"])
     except ValueError as e:
         raise UserError(str(e)) from None
     settings = mode_settings(opts)
     with user_errors():
-        target, draft, device, dtype = load_models(opts, Console(stderr=True, quiet=quiet))
-        session = Session(
-            target,
-            draft,
-            mode=mode,
-            k=opts["draft_len"],
-            sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
-            seed=opts["seed"],
-            max_new_tokens=opts["max_new_tokens"],
-            mode_options=settings,
-        )
+        target, draft, device, dtype = load_models(opts, progress)
+        with progress.status(f"Preparing mode {mode}..."):  # auto's candidates: quantised copies, the suffix index, the head
+            session = Session(
+                target,
+                draft,
+                mode=mode,
+                k=opts["draft_len"],
+                sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
+                seed=opts["seed"],
+                max_new_tokens=opts["max_new_tokens"],
+                mode_options=settings,
+            )
     session.controls.rule = rule
     if opts.get("system"):
         session.set_system(opts["system"])

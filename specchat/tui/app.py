@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -35,10 +38,11 @@ from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
 from specchat.tui.keys import ACTION_KEYS, MAX_MODES, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
-from specchat.tui.messages import LogLine, ModeReady, ReplyFinished, RoundDone
+from specchat.tui.messages import LoadStage, LogLine, ModeReady, ReplyFinished, RoundDone, SessionLoaded
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
-from specchat.tui.widgets import Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StatsPanel, UserView
+from specchat.tui.widgets import (Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StartupView, StatsPanel,
+                                  UserView)
 
 if TYPE_CHECKING:  # the app runs on a local Session or a RemoteSession (which never imports torch)
     from specchat.session import Session
@@ -48,9 +52,25 @@ if TYPE_CHECKING:  # the app runs on a local Session or a RemoteSession (which n
 REPLY_INTERVAL_S = 0.1
 PANEL_INTERVAL_S = 0.3
 K_RANGE = (1, 16)
+WHILE_LOADING = {"help", "show_log", "toggle_panel", "toggle_markdown", "quit"}  # the actions that need no session
 QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 SIGNAL_SAVE_WAIT_S = 5.0  # how long a signal's exit waits for the reply's round to end and its turn to be saved
 TEMPERATURE_STEP = 0.1
+
+
+class LoadProgress:
+    """load_session's progress display inside the app, with a Rich Console's interface: each stage is posted as it
+    begins and ends (post_message is thread-safe)."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    @contextmanager
+    def status(self, text: str):
+        self.app.post_message(LoadStage(text))
+        start = time.perf_counter()
+        yield
+        self.app.post_message(LoadStage(text, time.perf_counter() - start))
 
 
 class SpecChatApp(App):
@@ -79,23 +99,48 @@ class SpecChatApp(App):
 
     def __init__(
         self,
-        session: Session,
+        session: Session | None = None,
         *,
+        load: Callable[[object], Session] | None = None,
         theme: str | None = None,
         export_path: Path | None = None,
         theme_dirs: list[Path] | None = None,
         conversation: ConversationLog | None = None,
     ) -> None:
+        """A loaded `session`, or `load(progress)`, which builds one in a background thread while the app is already
+        on screen (progress.status(text) is a context manager around each stage, as a Rich Console's)."""
         super().__init__()
-        self.session = session
+        if (session is None) == (load is None):
+            raise ValueError("give a session or a function that loads one")
+        self.session: Session | None = None  # None while `load` runs: the actions that need it wait (check_action)
+        self.load = load
+        self.load_error: BaseException | None = None  # what stopped the loading (run_chat raises it after the app ends)
+        self.loader: threading.Thread | None = None
         self.conversation = conversation  # where every finished turn is saved (run_chat always gives one)
         self.export_path = Path(export_path) if export_path else None
         self.reply_view: ReplyView | None = None
-        self.snapshot = session.snapshot()  # what the panel shows: the latest from RoundDone, or taken after a change
+        self.snapshot = None  # what the panel shows: the latest from RoundDone, or taken after a change
         self.modes: dict[str, str] = getattr(session, "modes", MODES)  # name -> what it is, in key order
         self.mode_keys = {mode: key_label(key) for mode, key in mode_keys(self.modes).items()}  # as shown: "F2"
         self.remote = getattr(session, "servers", None) is not None
         self.unavailable: dict[str, str] = {}
+        self.pending_mode: str | None = None
+        self.queued: list[tuple[str, UserView]] = []  # messages sent while a reply streamed (or the model loaded), oldest first
+        self._panel_timer = None
+        self._reply_timer = None
+        self.log_lines: list[tuple[str, str]] = []
+        self.startup_notices: list[str] = []  # what loading the models had to say
+        self._log_handler: LogHandler | None = None
+        self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
+        self._setup_themes(theme, theme_dirs)
+        if session is not None:
+            self.take_session(session)
+        else:
+            self.sub_title = "loading the model…"
+
+    def take_session(self, session: Session) -> None:
+        """What the app derives from its session (once it is loaded)."""
+        self.session = session
         if session.draft is None and "draft" in self.modes:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
         if getattr(session, "engine_label", "torch") == "llama.cpp":  # known before anyone presses the key
@@ -106,15 +151,8 @@ class SpecChatApp(App):
             session.measure_baseline()
         except ModeUnavailable:
             pass
-        self.pending_mode: str | None = None
-        self.queued: list[tuple[str, UserView]] = []  # messages sent while a reply streamed, oldest first
-        self._panel_timer = None
-        self._reply_timer = None
-        self.log_lines: list[tuple[str, str]] = []
-        self.startup_notices: list[str] = list(getattr(session, "notices", []))  # what loading the models had to say
-        self._log_handler: LogHandler | None = None
-        self._last_temperature = 0.7  # where "Greedy / sampling" goes back to
-        self._setup_themes(theme, theme_dirs)
+        self.snapshot = session.snapshot()
+        self.startup_notices += list(getattr(session, "notices", []))
         self.sub_title = self.title_line()
 
     def title_line(self) -> str:
@@ -164,20 +202,65 @@ class SpecChatApp(App):
     def on_mount(self) -> None:
         self.show_earlier_messages()
         self.query_one(Conversation).anchor()
-        self.query_one(Inspector).show_token(None, self.session.token_text)
-        self.refresh_panel()
         self.query_one("#prompt", Input).focus()
         self.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panel())
-        self.begin_capture_print(self, stdout=True, stderr=True)
+        self.begin_capture_print(self, stdout=True, stderr=True)  # what loading prints (tqdm bars) goes to the log
         self._log_handler = LogHandler(self)
         logging.getLogger().addHandler(self._log_handler)
         logging.captureWarnings(True)
         route_transformers_logging(to_root=True)
-        for notice in self.startup_notices:
-            self.warn(notice)
+        if self.session is not None:
+            self.session_ready()
+        else:
+            self.query_one(Conversation).mount(StartupView(id="startup"))
+            self.query_one(StatsPanel).show_loading()
+            # a daemon thread, not a worker: quitting mid-load must not wait for a model to finish loading (run_chat)
+            self.loader = threading.Thread(target=self.load_session, name="specchat-load", daemon=True)
+            self.loader.start()
         loop = asyncio.get_running_loop()
         for sig in QUIT_SIGNALS:  # a terminal closed or a `kill`: end as ctrl+q does, saving the reply in progress
             loop.add_signal_handler(sig, lambda sig=sig: self.run_worker(self.quit_on_signal(sig), group="signal"))
+
+    def session_ready(self) -> None:
+        self.query_one(Inspector).show_token(None, self.session.token_text)
+        self.refresh_panel()
+        for notice in self.startup_notices:
+            self.warn(notice)
+        self.startup_notices = []
+
+    # ------------------------------------------------------------------ loading in the background
+    def load_session(self) -> None:
+        """The loading thread: build the session, reporting each stage; what stops it ends the app (run_chat says why)."""
+        try:
+            session = self.load(LoadProgress(self))
+        except BaseException as e:  # a one-line UserError, Ctrl+C, or a bug: run_chat raises it once the app is gone
+            self.post_message(SessionLoaded(error=e))
+            return
+        self.post_message(SessionLoaded(session))
+
+    def on_load_stage(self, message: LoadStage) -> None:
+        for view in self.query(StartupView):
+            if message.seconds is None:
+                view.begin(message.text)
+            else:
+                view.end(message.text, message.seconds)
+                self.log_line(f"{message.text.rstrip('.…')}: {message.seconds:.1f} s")
+        self.query_one(StatsPanel).show_loading(message.text if message.seconds is None else None)
+
+    async def on_session_loaded(self, message: SessionLoaded) -> None:
+        if message.error is not None:
+            self.load_error = message.error
+            self.exit(return_code=1)
+            return
+        self.take_session(message.session)
+        for view in self.query(StartupView):
+            await view.remove()
+        self.log_line(f"ready: {self.sub_title}")
+        self.session_ready()
+        if self.queued:
+            self.send_queued()
+        else:
+            self.notify("Ready.", timeout=2)
 
     async def quit_on_signal(self, sig: int) -> None:
         """Stop the reply (the decoder's thread saves the turn with its partial reply, as Esc does), wait for that
@@ -258,7 +341,7 @@ class SpecChatApp(App):
         if not text:
             self.notify("Type a message first.", severity="information", timeout=3)
             return
-        if self.generating:  # queued, shown as such, sent when the reply ends (also when it is stopped)
+        if self.generating or self.session is None:  # queued, shown as such, sent when the reply ends (or the model is ready)
             event.input.value = ""
             view = UserView(text, queued=True)
             self.queued.append((text, view))
@@ -380,6 +463,8 @@ class SpecChatApp(App):
         if self._panel_timer is not None:
             self._panel_timer.stop()
             self._panel_timer = None
+        if self.session is None:  # still loading: the panel says so (on_load_stage)
+            return
         if retake:
             self.snapshot = self.session.snapshot()
         for panel in self.query(StatsPanel):  # none while the app shuts down
@@ -388,6 +473,8 @@ class SpecChatApp(App):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return self.generating  # Esc appears in the footer only while a reply streams
+        if self.session is None and action not in WHILE_LOADING:
+            return None  # shown disabled until the model is ready
         return True
 
     def action_stop(self) -> None:
@@ -495,10 +582,14 @@ class SpecChatApp(App):
 
     # ------------------------------------------------------------------ conversation: earlier turns, system prompt, copy, Markdown
     def show_earlier_messages(self) -> None:
-        """A resumed conversation (--continue, or opened from the palette) shows its earlier turns; their token
-        kinds were not saved."""
+        """A resumed conversation (--continue, or opened from the palette) shows its earlier turns, also while the
+        model loads; their token kinds were not saved."""
+        if self.session is not None:
+            messages = self.session.messages
+        else:
+            messages = self.conversation.messages if self.conversation is not None else []
         shown = [UserView(m["content"]) if m["role"] == "user" else SavedReply(m["content"])
-                 for m in self.session.messages if m["role"] in ("user", "assistant")]
+                 for m in messages if m["role"] in ("user", "assistant")]
         if shown:
             self.query_one(Conversation).mount_all(shown)
             if self.show_markdown:
@@ -621,6 +712,11 @@ class SpecChatApp(App):
         def key(action: str) -> str:
             return key_label(ACTION_KEYS[action][0])
 
+        if self.session is None:  # loading: only what needs no model
+            yield SystemCommand(f"Keys ({key('help')})", "Every key and command", self.action_help)
+            yield SystemCommand(f"Show log ({key('show_log')})", "Loading stages, warnings and messages from the models", self.action_show_log)
+            yield from super().get_system_commands(screen)
+            return
         for mode, mode_key in self.mode_keys.items():
             note = f" (unavailable: {self.unavailable[mode]})" if mode in self.unavailable else ""
             yield SystemCommand(f"Mode: {mode} ({mode_key})", self.modes[mode] + note, lambda m=mode: self.action_mode(m))
@@ -655,19 +751,33 @@ class SpecChatApp(App):
         yield from super().get_system_commands(screen)
 
 
-def run_chat(session: Session, *, theme: str | None = None, export_path: Path | None = None,
-             conversation: ConversationLog | None = None) -> None:
-    """Run the chat app on a loaded session, saving every turn (in a new conversation file unless one is given);
-    on exit (also after a crash) write the export if asked."""
-    app = SpecChatApp(session, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
+def run_chat(session: Session | None = None, *, load: Callable[[object], Session] | None = None, theme: str | None = None,
+             export_path: Path | None = None, conversation: ConversationLog | None = None) -> None:
+    """Run the chat app on a session, or on one `load` builds while the app is on screen, saving every turn (in a
+    new conversation file unless one is given); on exit (also after a crash) write the export if asked."""
+    app = SpecChatApp(session, load=load, theme=theme, export_path=export_path, conversation=conversation or ConversationLog())
     saved = True
     try:
         app.run()
     finally:
-        if export_path is not None:  # written even after a crash; an unwritable path falls back to the data folder
-            line, saved = save_export(session, Path(export_path))
+        if export_path is not None and app.session is not None:  # written even after a crash; an unwritable path falls back to the data folder
+            line, saved = save_export(app.session, Path(export_path))
             print(f"specchat: {line}", file=sys.stdout if saved else sys.stderr)
+    if app.load_error is not None:  # the one line of a UserError (or Ctrl+C's), now that the terminal is back
+        raise app.load_error
+    if export_path is not None and app.session is None:
+        print("specchat: no export: the chat ended before the model was ready", file=sys.stderr)
+    if app.loader is not None and app.loader.is_alive():  # quit mid-load: nothing was said yet, nothing to save
+        end_now(app.return_code or 0)
     if not saved:  # neither the path nor the fallback took the export: not a success
         raise SystemExit(1)
     if app.return_code:  # ended by SIGTERM or SIGHUP (after saving): 128 + the signal
         raise SystemExit(app.return_code)
+
+
+def end_now(code: int) -> None:
+    """Exit at once, leaving the loading thread where it is: at interpreter shutdown a thread inside torch's import
+    or a model load can hang the exit or crash it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -43,3 +43,19 @@ class LogLine(Message):
     def __init__(self, text: str, level: str = "info") -> None:
         super().__init__()
         self.text, self.level = text, level
+
+
+class LoadStage(Message):
+    """The loading thread began a stage (`seconds` None) or finished one, in `seconds`."""
+
+    def __init__(self, text: str, seconds: float | None = None) -> None:
+        super().__init__()
+        self.text, self.seconds = text, seconds
+
+
+class SessionLoaded(Message):
+    """The loading thread is done: the session, or the exception that stopped it (the app exits with it)."""
+
+    def __init__(self, session=None, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.session, self.error = session, error

@@ -5,5 +5,6 @@ from specchat.tui.widgets.inspector import Inspector
 from specchat.tui.widgets.legend import Legend
 from specchat.tui.widgets.panel import MODE_KEYS, StatsPanel
 from specchat.tui.widgets.reply import MarkdownReply, ReplyView, SavedReply, UserView
+from specchat.tui.widgets.startup import StartupView
 
-__all__ = ["MODE_KEYS", "Conversation", "Inspector", "Legend", "MarkdownReply", "ReplyView", "SavedReply", "StatsPanel", "UserView"]
+__all__ = ["MODE_KEYS", "Conversation", "Inspector", "Legend", "MarkdownReply", "ReplyView", "SavedReply", "StartupView", "StatsPanel", "UserView"]

@@ -207,6 +207,11 @@ class StatsPanel(VerticalScroll, can_focus=False):
         if self._shown is not None:
             self.show(*self._shown[:1], unavailable=self._shown[1], pending=self._shown[2])
 
+    def show_loading(self, stage: str | None = None) -> None:
+        """Before the session exists: say so, and which stage of loading runs."""
+        line = Text.assemble(("loading the model…", "italic"), (f"\n{stage}" if stage else "", "dim"), no_wrap=True, overflow="ellipsis")
+        self.query_one("#mode-line", Static).update(line, layout=False)
+
     def show(self, snapshot: Snapshot, *, unavailable: dict[str, str], pending: str | None) -> None:
         self._shown = (snapshot, unavailable, pending)
         if snapshot.server is not None:
