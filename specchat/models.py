@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +122,21 @@ def _cache_name(path: Path) -> str:
     return f"{path.stem}-{key}"
 
 
+# What a GGUF's weights are stored as once dequantised for torch: the file's own precision, so the copy is no larger
+# than needed. A quantised block is 16-bit scales times small integers: float16 keeps each weight within 2^-11 of
+# its float32 value (the quantisation itself moved it by ~2^-5), at half the float32 copy's size.
+STORE_DTYPE = {"F32": torch.float32, "BF16": torch.bfloat16}  # every other file type: float16
+
+
+def converted_dir(path: Path) -> Path:
+    """Where convert_gguf keeps `path` dequantised (a folder for from_pretrained)."""
+    return models_dir() / f"{_cache_name(path)}-torch"
+
+
 def convert_gguf(path: Path) -> Path:
-    """Dequantise a GGUF once (~14 s) into safetensors + tokenizer under the user cache; later loads take seconds."""
-    out = models_dir() / _cache_name(path)
+    """Dequantise a GGUF once into safetensors + tokenizer under the user cache, at the file's own precision
+    (STORE_DTYPE); later loads take seconds."""
+    out = converted_dir(path)
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,14 +145,96 @@ def convert_gguf(path: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # gguf raises many kinds of errors for a file that is not a model
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
         raise ModelError(f"{path} is not a GGUF model transformers can read ({type(e).__name__}: {_first_line(e)})") from e
     # the weights are plain dequantised tensors now; drop the GGUF marker so they save as safetensors
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
+    stored = STORE_DTYPE.get(gguf_file_type(path), torch.float16)
+    if stored != torch.float32:
+        narrowed = model.to(stored)
+        if any(not torch.isfinite(p).all() for p in narrowed.parameters()):  # a weight beyond float16's range
+            narrowed = model.to(torch.float32)
+        model = narrowed
     with atomic_path(out) as tmp:  # a crash mid-conversion never leaves a half-written model behind
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out
+
+
+def conversion_plan(path: Path) -> str | None:
+    """What loading `path` on torch must do first, in one line (size and rough time), or None when it was done."""
+    if (converted_dir(path) / "config.json").is_file():
+        return None
+    file_type = gguf_file_type(path)
+    size = path.stat().st_size
+    line = f"Converting {path.name} ({size / 1e9:.1f} GB{', ' + file_type if file_type else ''}) once for torch"
+    bits = gguf_bits_per_weight(file_type)
+    if bits is None:
+        return f"{line}: dequantising it into {models_dir()}..."
+    params = size * 8 / bits
+    stored = STORE_DTYPE.get(file_type, torch.float16).itemsize
+    minutes = params / CONVERSION_PARAMS_PER_S / 60
+    when = f"about {minutes:.0f} min" if minutes >= 1.5 else "under 2 min"
+    return (f"{line}: about {params / 1e9:.1f}B parameters into {params * stored / 1e9:.1f} GB of {stored * 8}-bit safetensors "
+            f"in {models_dir()}, {when} on 2 cores...")
+
+
+# convert_gguf's rate for the plan line: the default model's 134.5M parameters took 30 s on the 2-core reference
+# machine at load 1.3 (benchmarks/RESULTS.md, section 13)
+CONVERSION_PARAMS_PER_S = 4.5e6
+
+
+def gguf_file_type(path: Path) -> str | None:
+    """The file's quantisation as llama.cpp names it (Q4_K_M, F16, F32), from general.file_type in the header: a
+    walk over the metadata that reads only lengths (gguf's GGUFReader parses the whole vocabulary: seconds)."""
+    import gguf
+
+    kinds = gguf.GGUFValueType
+    sizes = {kinds.UINT8: 1, kinds.INT8: 1, kinds.BOOL: 1, kinds.UINT16: 2, kinds.INT16: 2, kinds.UINT32: 4, kinds.INT32: 4,
+             kinds.FLOAT32: 4, kinds.UINT64: 8, kinds.INT64: 8, kinds.FLOAT64: 8}
+
+    def skip(f, kind: int) -> None:
+        if kind == kinds.STRING:
+            f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+        elif kind == kinds.ARRAY:
+            item, count = struct.unpack("<IQ", f.read(12))
+            if item in sizes:
+                f.seek(sizes[item] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(f, item)
+        else:
+            f.seek(sizes[kind], 1)
+
+    try:
+        with open(path, "rb") as f:
+            magic, _version, _tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF":
+                return None
+            for _ in range(n_kv):
+                key = f.read(struct.unpack("<Q", f.read(8))[0])
+                kind = struct.unpack("<I", f.read(4))[0]
+                if key == b"general.file_type":
+                    name = gguf.LlamaFileType(struct.unpack("<I", f.read(4))[0]).name
+                    return "F32" if name == "ALL_F32" else name.removeprefix("MOSTLY_")
+                skip(f, kind)
+    except (OSError, struct.error, KeyError, ValueError):  # not a GGUF we can read: the plan says less
+        return None
+    return None
+
+
+def gguf_bits_per_weight(file_type: str | None) -> float | None:
+    """The bits per weight of a file type's main tensors (Q4_K_M: Q4_K's 4.5), from gguf's block sizes."""
+    import gguf
+
+    for name in (file_type, *(file_type.rsplit("_", 1)[:1] if file_type else [])):
+        kind = getattr(gguf.GGMLQuantizationType, name or "", None)
+        if kind in gguf.GGML_QUANT_SIZES:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            return size * 8 / block
+    return None
 
 
 # ---------------------------------------------------------------- the llama.cpp engine
@@ -183,8 +278,7 @@ def tokenizer_cached(spec: str | None) -> bool:
     path = default_gguf() if spec is None else Path(spec).expanduser()
     if not path.is_file():
         return True  # nothing to convert: loading it says what is wrong
-    name = _cache_name(path)
-    return any((models_dir() / d / "tokenizer_config.json").is_file() for d in (name, f"{name}-tokenizer"))
+    return any((d / "tokenizer_config.json").is_file() for d in (converted_dir(path), models_dir() / f"{_cache_name(path)}-tokenizer"))
 
 
 def gguf_tokenizer(path: Path):
@@ -192,7 +286,7 @@ def gguf_tokenizer(path: Path):
     user cache (the conversion of a 49k-token vocabulary takes seconds; loading the saved one, a fraction)."""
     from transformers import AutoTokenizer
 
-    converted = models_dir() / _cache_name(path)
+    converted = converted_dir(path)
     if (converted / "tokenizer_config.json").is_file():  # a torch-engine conversion of the same file has it
         return AutoTokenizer.from_pretrained(converted)
     out = models_dir() / f"{_cache_name(path)}-tokenizer"

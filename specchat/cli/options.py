@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import click
 
@@ -171,8 +172,6 @@ def mode_settings(opts: dict) -> dict:
         except ValueError:
             raise UserError(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
     if opts.get("head_file"):
-        from pathlib import Path
-
         path = Path(opts["head_file"]).expanduser()
         if not path.with_suffix(".safetensors").is_file():
             if path.is_file():  # a file, but not a head's weights (nor beside them)
@@ -196,8 +195,6 @@ def mode_settings(opts: dict) -> dict:
 def likely_llama_cpp(opts: dict) -> bool:
     """Whether models.pick_engine will choose llama.cpp, told without importing torch or llama.cpp (the choice
     itself needs both): llama-cpp-python is looked for on sys.path."""
-    from pathlib import Path
-
     gguf = [spec is None or spec.endswith(".gguf") for spec in (opts.get("target"), opts.get("draft") or ".gguf")]
     installed = any((Path(p or ".") / "llama_cpp" / "__init__.py").is_file() for p in sys.path)
     return opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu") and installed
@@ -215,8 +212,6 @@ def preflight(opts: dict) -> None:
     """Refuse what is wrong with the model options before torch or a model loads (the chat is on screen before
     its models load: a missing file must not flash it). models.resolve and pick_engine check the same again
     when loading, with the same words; this only answers sooner."""
-    from pathlib import Path
-
     hub_environment(opts)
     mode = opts.get("mode") or ("draft" if opts.get("draft") else "off")
     if mode == "draft" and not opts.get("draft"):
@@ -254,8 +249,8 @@ def load_models(opts: dict, progress):
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
     threads.set_threads(opts.get("threads"))
-    from specchat.models import (check_same_tokenizer, check_same_vocab, load_model, load_tokenizer, pick_device, pick_dtype,
-                                 pick_engine, tokenizer_cached)
+    from specchat.models import (check_same_tokenizer, check_same_vocab, conversion_plan, convert_gguf, default_gguf, is_gguf,
+                                 load_model, load_tokenizer, pick_device, pick_dtype, pick_engine, tokenizer_cached)
 
     specs = [opts["target"], *([opts["draft"]] if opts.get("draft") else [])]
     cached = all(tokenizer_cached(spec) for spec in specs)
@@ -272,6 +267,12 @@ def load_models(opts: dict, progress):
     engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
+    for spec in specs if engine == "torch" else []:  # a GGUF for torch is dequantised once first: say how big, how long
+        path = default_gguf() if spec is None else Path(spec).expanduser()
+        plan = conversion_plan(path) if is_gguf(spec) and path.is_file() else None
+        if plan is not None:
+            with progress.status(plan):
+                convert_gguf(path)
     with progress.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
         target = load_model(opts["target"], device, dtype, **kwargs)
     draft = None

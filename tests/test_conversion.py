@@ -1,0 +1,73 @@
+"""A GGUF on the torch engine is dequantised once (issue 27, item 3): at the file's own precision (16 bits for a
+quantised file, not float32), announced first by one line that says what, how big and roughly how long."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import struct
+
+import pytest
+from safetensors import safe_open
+
+from specchat import models
+from specchat.cli.options import load_models
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_file_type_is_read_from_the_header():
+    assert models.gguf_file_type(models.default_gguf()) == "Q4_1"
+    assert models.gguf_bits_per_weight("Q4_1") == 5.0 and models.gguf_bits_per_weight("Q4_K_M") == 4.5
+    assert models.gguf_bits_per_weight("F16") == 16 and models.gguf_bits_per_weight(None) is None
+
+
+def test_a_file_that_is_not_gguf_has_no_file_type(tmp_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5))  # says five keys, has none
+    assert models.gguf_file_type(text) is None and models.gguf_file_type(truncated) is None
+
+
+def test_a_quantised_file_is_stored_at_16_bits():
+    folder = models.convert_gguf(models.default_gguf())
+    shards = list(folder.glob("*.safetensors"))
+    dtypes, params = set(), 0
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():
+                dtypes.add(f.get_slice(name).get_dtype())
+                params += math.prod(f.get_slice(name).get_shape())
+    assert dtypes == {"F16"}
+    assert sum(s.stat().st_size for s in shards) < params * 2.1  # 2 bytes a weight, not float32's 4
+    assert models.conversion_plan(models.default_gguf()) is None  # done once: no plan the next time
+
+
+def test_the_first_load_on_torch_says_what_it_converts_before_converting(tmp_path, monkeypatch):
+    """A copy of the default file is another file (another cache entry, not converted yet): its plan line comes, as
+    a stage of its own, before the conversion starts."""
+    copy = tmp_path / "mine.gguf"
+    shutil.copyfile(models.default_gguf(), copy)
+    plan = models.conversion_plan(copy)
+    assert plan.startswith("Converting mine.gguf (0.1 GB, Q4_1) once for torch") and "16-bit safetensors" in plan
+    assert "min on 2 cores" in plan
+
+    stages, converted = [], []
+    real = models.convert_gguf
+
+    def convert(path):  # records when it was called; the conversion itself is the test above's
+        converted.append((path, list(stages)))
+        return real(models.default_gguf())
+
+    class Progress:
+        def status(self, text):
+            stages.append(text)
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    opts = dict(target=str(copy), draft=None, download=False, device="cpu", dtype="auto", device_map=None,
+                trust_remote_code=False, threads=None, engine="torch")
+    load_models(opts, Progress())
+    assert stages[0] == plan and converted[0] == (copy, [plan])  # announced, then done
