@@ -122,25 +122,29 @@ def _cache_name(path: Path) -> str:
     return f"{path.stem}-{key}"
 
 
-# What a GGUF's weights are stored as once dequantised for torch: the file's own precision, so the copy is no larger
-# than needed. A quantised block is 16-bit scales times small integers: float16 keeps each weight within 2^-11 of
-# its float32 value (the quantisation itself moved it by ~2^-5), at half the float32 copy's size.
-STORE_DTYPE = {"F32": torch.float32, "BF16": torch.bfloat16}  # every other file type: float16
+# What a GGUF's weights are stored as once dequantised for torch: the smallest type that holds them exactly. An F16
+# or BF16 file's own type; a quantised file's weights are 16-bit scales times small integers, products that need
+# up to ~17 significant bits: float32. (A float16 copy of the default Q4_1 model was half the size but another
+# model: its greedy reply parted from the float32 copy's after 26 tokens on one of six held-out prompts, and its
+# weights' fingerprint no longer matched the shipped draft head.)
+STORE_DTYPE = {"F16": torch.float16, "BF16": torch.bfloat16}  # every other file type: float32
 
 
 def converted_dir(path: Path) -> Path:
     """Where convert_gguf keeps `path` dequantised (a folder for from_pretrained)."""
-    return models_dir() / f"{_cache_name(path)}-torch"
+    return models_dir() / _cache_name(path)
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantise a GGUF once into safetensors + tokenizer under the user cache, at the file's own precision
-    (STORE_DTYPE); later loads take seconds."""
+    """Dequantise a GGUF once into safetensors + tokenizer under the user cache (STORE_DTYPE); later loads take
+    seconds."""
     out = converted_dir(path)
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the stage's own line says what runs (a bar per tensor group filled pages)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -151,12 +155,7 @@ def convert_gguf(path: Path) -> Path:
     # the weights are plain dequantised tensors now; drop the GGUF marker so they save as safetensors
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    stored = STORE_DTYPE.get(gguf_file_type(path), torch.float16)
-    if stored != torch.float32:
-        narrowed = model.to(stored)
-        if any(not torch.isfinite(p).all() for p in narrowed.parameters()):  # a weight beyond float16's range
-            narrowed = model.to(torch.float32)
-        model = narrowed
+    model = model.to(STORE_DTYPE.get(gguf_file_type(path), torch.float32))  # exact: the file held these values
     with atomic_path(out) as tmp:  # a crash mid-conversion never leaves a half-written model behind
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -174,7 +173,7 @@ def conversion_plan(path: Path) -> str | None:
     if bits is None:
         return f"{line}: dequantising it into {models_dir()}..."
     params = size * 8 / bits
-    stored = STORE_DTYPE.get(file_type, torch.float16).itemsize
+    stored = STORE_DTYPE.get(file_type, torch.float32).itemsize
     minutes = params / CONVERSION_PARAMS_PER_S / 60
     when = f"about {minutes:.0f} min" if minutes >= 1.5 else "under 2 min"
     return (f"{line}: about {params / 1e9:.1f}B parameters into {params * stored / 1e9:.1f} GB of {stored * 8}-bit safetensors "
