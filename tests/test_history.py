@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from helpers import REPLY, VOCAB, FakeSession, tiny_model_dir
 from specchat import history
 from specchat.cli.main import main
+from specchat.engine.sampling import SamplingParams
 from specchat.history import ConversationLog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,3 +193,111 @@ def test_history_does_not_import_torch(args, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
     assert "NO-TORCH" in out.stderr, out.stderr
     assert ("list saved conversations" if "--help" in args else "no saved conversations") in out.stdout.lower() + out.stderr.lower()
+
+
+# ---------------------------------------------------------------- what each turn keeps, and reading the files back
+
+
+def test_each_turn_keeps_the_settings_it_ran_with_and_when_it_finished(data, monkeypatch):
+    """The file is rewritten after every turn: an earlier turn keeps its own mode, sampling, draft, prompt size and
+    the time it was first saved, whatever changed since; the conversation keeps when it was created."""
+    clock = iter(f"2026-01-01T00:00:{s:02d}+00:00" for s in range(60))
+    monkeypatch.setattr(history, "_now", lambda: next(clock))
+    session, log = FakeSession(mode="lookup", k=3, draft_name="small-draft"), ConversationLog()
+    chat(session, log, "one")
+    session.set_mode("off")
+    session.controls.sampling = SamplingParams(0.7, top_p=0.9)  # as the chat's sampling keys change it
+    chat(session, log, "two", "three")
+    log.save(session)  # saved again without a new turn: the turns already there keep their times
+    saved = json.loads(log.path.read_text())
+    turns = saved["turns"]
+    assert [(t["mode"], t["sampling"]["temperature"], t["draft"]) for t in turns] == [
+        ("lookup", 0.0, "small-draft"), ("off", 0.7, "small-draft"), ("off", 0.7, "small-draft")]
+    assert [t["prompt_tokens"] for t in turns] == [t.prompt_tokens for t in session.turns]
+    assert saved["created"] == "2026-01-01T00:00:00+00:00"
+    finished = [t["finished"] for t in turns]
+    assert finished == sorted(set(finished)) and saved["updated"] > finished[-1]  # each turn its own time, in order
+
+
+def test_a_turn_that_ended_before_its_first_round_is_saved(data):
+    """The reply failed (or was stopped) before any round: the app saves after it as after any turn, and the turn is
+    saved with the settings then in force (it has no round to take them from), not an IndexError that would fail
+    this save and every later one."""
+    session, log = FakeSession(fail_at=0), ConversationLog()
+    session.controls.sampling = SamplingParams(0.5)
+    with pytest.raises(RuntimeError):
+        list(session.reply("hi"))
+    log.save(session)
+    turn = json.loads(log.path.read_text())["turns"][0]
+    assert (turn["user"], turn["reply"], turn["stop_reason"]) == ("hi", "", "stopped")
+    assert (turn["mode"], turn["sampling"]["temperature"]) == ("lookup", 0.5)
+
+
+def test_a_resumed_conversation_keeps_when_it_was_created(data):
+    earlier = {"format": history.FORMAT, "created": "2025-05-05T05:05:05+00:00", "updated": "2025-05-05T05:06:00+00:00",
+               "model": "fake-target", "messages": [], "turns": [{"user": "old"}]}
+    path = data / "old.json"
+    data.mkdir(parents=True)
+    path.write_text(json.dumps(earlier))
+    resumed = ConversationLog.open(path)
+    chat(FakeSession(), resumed, "new")
+    saved = json.loads(path.read_text())
+    assert saved["created"] == "2025-05-05T05:05:05+00:00" and [t["user"] for t in saved["turns"]] == ["old", "new"]
+
+
+def test_a_conversation_is_read_back_as_utf8_whatever_the_machines_default_encoding(data, monkeypatch):
+    """The files are written in UTF-8; on a machine whose default encoding is another (Windows: cp1252), --continue
+    and `history` still read the text as it was written, not as mojibake."""
+    text = "café ☕ — naïve"
+    session, log = FakeSession(), ConversationLog()
+    chat(session, log, text)
+    monkeypatch.setattr(io, "text_encoding", lambda encoding, stacklevel=2: encoding or "cp1252")
+    assert ConversationLog.open(log.path).messages[0]["content"] == text
+    assert history.conversations()[0].first_message == text
+
+
+def test_a_conversation_file_with_only_the_format_is_listed_with_defaults(data):
+    """A file with the format and nothing else (hand-written, or from another version) is listed, not a crash of
+    `specchat history`: no time, model "?", no turns, no first message; so is one without a user message."""
+    data.mkdir(parents=True)
+    data.joinpath("bare.json").write_text(json.dumps({"format": history.FORMAT}))
+    found = history.conversations()
+    assert [(c.updated, c.model, c.turns, c.first_message) for c in found] == [("", "?", 0, "")]
+    data.joinpath("bare.json").write_text(json.dumps({"format": history.FORMAT, "messages": [{"role": "system", "content": "s"}]}))
+    assert history.conversations()[0].first_message == ""
+    result = invoke("history")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+
+
+def test_a_broken_file_hides_no_other_conversation_whatever_the_listing_order(data, tmp_path):
+    """A file that is not a conversation is skipped, and only it: the folder may list it before the good ones.
+    The folder given is the one read (latest of an empty folder is None though the data folder has one)."""
+    folder = tmp_path / "elsewhere"
+    chat(FakeSession(), ConversationLog(data / "in-data.json"), "x")
+    folder.mkdir()
+    for name, updated in (("b.json", "2026-01-01T10:00:00+00:00"), ("d.json", "2026-01-01T11:00:00+00:00")):
+        folder.joinpath(name).write_text(json.dumps({"format": history.FORMAT, "updated": updated, "turns": [{}]}))
+    folder.joinpath("a.json").write_text("{not json")
+    folder.joinpath("c.json").write_text('{"format": "something-else"}')
+    for reverse in (False, True):
+        class Listed(type(folder)):  # a folder that lists its files in a known order
+            def glob(self, pattern):
+                return sorted(super().glob(pattern), reverse=reverse)
+
+        assert sorted(c.path.name for c in history.conversations(Listed(folder))) == ["b.json", "d.json"]
+        assert history.latest(Listed(folder)) == folder / "d.json"
+    (tmp_path / "empty").mkdir()
+    assert history.latest(tmp_path / "empty") is None and history.latest() == data / "in-data.json"
+
+
+def test_a_file_that_is_not_a_conversation_is_refused_with_its_path_and_why(data, tmp_path):
+    """What --continue says about a file it cannot resume: the file, and whether it was unreadable or not one."""
+    junk, other = tmp_path / "junk.json", tmp_path / "other.json"
+    junk.write_text("{not json")
+    other.write_text('{"format": "something-else"}')
+    with pytest.raises(ValueError) as e:
+        history.load(junk)
+    assert str(e.value).startswith(f"{junk}: cannot read the conversation (Expecting property name")
+    with pytest.raises(ValueError) as e:
+        history.load(other)
+    assert str(e.value) == f"{other}: not a specchat conversation"
