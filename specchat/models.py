@@ -142,9 +142,6 @@ def convert_gguf(path: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the stage's own line says what runs (a bar per tensor group filled pages)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

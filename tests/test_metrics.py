@@ -31,8 +31,27 @@ def test_the_model_by_hand():
     model = speedup_model(QUANT, PLAIN.plain_step_s)
     assert (model.acceptance, model.k) == (0.5, 4.0)
     assert model.draft_cost == pytest.approx(0.15) and model.verify_cost == pytest.approx(1.5)
-    assert model.predicted == pytest.approx(expected_tokens_per_round(0.5, 4) / (4 * 0.15 + 1.5))
+    # rounds 1..11 (round 0 came with the prefill): tokens 2+1+4 + 2*(5+2+1+4) = 31; each costs 12 + 30 ms = 2.1 steps
+    assert (model.tokens_per_round, model.round_cost, model.rounds) == (pytest.approx(31 / 11), pytest.approx(2.1), 11)
+    assert model.predicted == pytest.approx(31 / 11 / 2.1)  # 1.342
+    # i.i.d. acceptance 0.5 at each of 4 positions would give 1.94 tokens a round: these rounds accept in runs
+    assert model.iid == pytest.approx(expected_tokens_per_round(0.5, 4) / (4 * 0.15 + 1.5))  # 0.923
     assert speedup_model(QUANT, None) is None and speedup_model(Stats(), 0.02) is None
+
+
+def test_rounds_that_draft_nothing_cost_and_yield_as_measured():
+    """Lookup's pattern: a round drafts only after a match, and then its drafts are mostly right. The i.i.d.
+    formula charges every round K drafts and credits it (1 - a^(K+1)) / (1 - a) tokens; the model takes what the
+    rounds did: 10 plain rounds (1 token, 20 ms) and 10 rounds that drafted 4 and accepted all (5 tokens, 24 ms)."""
+    plain = rounds("lookup", 11, 0, [0], 0.0, 0.020)[1:]  # no round 0 here (no prefill in this window)
+    drafting = rounds("lookup", 11, 4, [4], 0.0001, 0.024)[1:]
+    for r in plain + drafting:
+        r.index = 1
+    model = speedup_model(Stats.of(plain + drafting), PLAIN.plain_step_s)
+    assert model.tokens_per_round == pytest.approx(3.0)  # (10 * 1 + 10 * 5) / 20
+    assert model.round_cost == pytest.approx((10 * 0.020 + 10 * 0.0241) / 20 / 0.020)  # 1.1025 plain steps
+    assert model.predicted == pytest.approx(3.0 / 1.1025)  # 2.72
+    assert model.iid == pytest.approx(5 / (0.0001 / 0.02 + (10 * 0.020 + 10 * 0.024) / 20 / 0.020))  # a = 1: 4.52
 
 
 def test_panel_bench_tune_and_export_show_one_number():

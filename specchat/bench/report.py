@@ -64,8 +64,8 @@ def markdown(results: dict) -> str:
         f"temperature {', '.join(f'{t:g}' for t in s['temperatures'])} (0 = greedy), top-k off, top-p 1, seed {s['seed']}",
         "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
         "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
-        "predicted: E[tokens/round] / (K·c + v), E from the acceptance rate assumed i.i.d., c and v measured "
-        "(first rounds left out) relative to one plain target step (docs/ARCHITECTURE.md).",
+        "predicted: tokens per round / (draft + verify time per round), measured (first rounds left out), the time "
+        "relative to one plain target step (docs/ARCHITECTURE.md).",
         "",
     ]
     rows = [r for r in results["configs"] if not r["peer"]]

@@ -205,6 +205,9 @@ def hub_environment(opts: dict) -> None:
     once, when it is first imported (with transformers, by the engine's modules): set them before anything does,
     or it fetches its agent registry from the Hub even for a model it then reads from the cache."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # transformers' GGUF conversion draws its bar with tqdm.auto directly (a page of lines on a terminal, a log full
+    # of them in the chat): each stage has its own line instead. tqdm reads this when it is first imported.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
 
 

@@ -13,8 +13,9 @@ How (greedy decoding throughout, so everything measured is deterministic):
    only the norm and the LM head on a kept state.
 3. Costs (draft step, verify of K+1 tokens, relative to one plain step) come from a linear model
    fitted to timings taken at the start: a head part (embed, norm, LM head, Python) plus one unit
-   per layer run. Score: the one predicted speedup (engine.metrics.predicted_speedup) from the
-   replayed rounds' acceptance and K and these costs, as the chat panel and the bench compute it.
+   per layer run. Score: the i.i.d. formula (engine.metrics.predicted_speedup) from the replayed
+   rounds' acceptance and K and these costs: it can score a K that never ran (the panel and the bench
+   predict from measured tokens per round; measured_candidate scales the formula to that).
 4. layerskip search (budget = candidate evaluations): greedy layer addition in the spirit of
    SWIFT/Draft & Verify: first every single layer, then grow the best set one layer at a time from
    the most skippable layers, then seeded random swaps (local search) with what budget is left.
@@ -255,11 +256,13 @@ def search_earlyexit(decoder, refs, costs: Costs, *, k_max: int, tick) -> list[C
 
 
 def measured_candidate(setting: dict, spec: Stats, plain: Stats, ks) -> Candidate:
-    """A setting measured in the real loop: the speedup model from its statistics, at the best K of `ks`
-    (c and v as measured at the run's K, used for every K)."""
+    """A setting measured in the real loop: the speedup model from its statistics, at the best K of `ks`. Other
+    K come from the i.i.d. formula (c and v as measured at the run's K), scaled by what the run measured over
+    what the formula gives at the run's K, so the run's own K scores exactly the model's prediction."""
     model = speedup_model(spec, plain.plain_step_s)
     a, c, v = (model.acceptance, model.draft_cost, model.verify_cost) if model else (0.0, 1.0, 1.0)
-    predicted = {k: predicted_speedup(a, k, c, v) for k in ks}
+    scale = model.predicted / model.iid if model and model.iid else 1.0
+    predicted = {k: predicted_speedup(a, k, c, v) * scale for k in ks}
     k = max(predicted, key=predicted.get)
     return Candidate(setting, k, a, spec.mean_accepted_length or 1.0, c, v, predicted[k])
 

@@ -32,8 +32,8 @@ def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
     if model is None:
         return None, f"no drafted rounds in {mode} yet"
     return model.predicted, (
-        f"a={model.acceptance:.2f} K={model.k:.3g}: draft {model.draft_cost:.2f}, "
-        f"verify {model.verify_cost:.2f} plain steps ({1000 * step:.1f} ms)"
+        f"{model.tokens_per_round:.2f} tokens/round at {model.round_cost:.2f} plain steps ({1000 * step:.1f} ms) each; "
+        f"a={model.acceptance:.2f} K={model.k:.3g}, i.i.d. acceptance would give {model.iid:.2f}×"
     )
 
 
