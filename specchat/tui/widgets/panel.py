@@ -257,7 +257,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
             speed.append(f"   {measured:.2f}×", style="dim" if few else "bold")
             speed.append(" measured", style="dim" if few else "")
         if mode != "off" and stats.get(mode) is not None:
-            counts = f"{stats[mode].rounds} rounds" + (f" vs {plain.rounds} plain among them" if plain else ", no plain round among them yet")
+            n = stats[mode].rounds
+            counts = f"{n} round{'s' if n != 1 else ''}" + (f" vs {plain.rounds} plain among them" if plain else ", no plain round among them yet")
             speed.append(f" ({counts}{', too few to go by' if few else ''})", style="dim")
         speed.append(f"\n{why}", style="dim")
         if snapshot.baseline is not None:
