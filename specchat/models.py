@@ -299,14 +299,15 @@ def gguf_tokenizer(path: Path):
     return tokenizer
 
 
-def load_gguf(spec: str | None) -> LoadedModel:
-    """A GGUF file (no spec: the default model's) on llama.cpp, with its tokenizer."""
+def load_gguf(spec: str | None, tokenizer=None) -> LoadedModel:
+    """A GGUF file (no spec: the default model's) on llama.cpp, with its tokenizer (`tokenizer`, if load_tokenizer
+    already read it)."""
     from specchat.engine.llamacpp import EngineError, GGUFModel
 
     path = default_gguf() if spec is None else Path(spec).expanduser()
     if not path.is_file():
         raise ModelError(f"GGUF file not found: {path}")
-    tokenizer = gguf_tokenizer(path)
+    tokenizer = gguf_tokenizer(path) if tokenizer is None else tokenizer
     try:
         model = GGUFModel(path)
     except EngineError as e:
@@ -389,11 +390,13 @@ def load_model(
     trust_remote_code: bool = False,
     download: bool = False,
     engine: str = "torch",
+    tokenizer=None,
 ) -> LoadedModel:
     """A hub id is read from the local Hugging Face cache only (no network) unless `download` is true.
-    `engine` "llama.cpp" runs a .gguf file on llama.cpp (pick_engine chooses); "torch" loads it dequantised."""
+    `engine` "llama.cpp" runs a .gguf file on llama.cpp (pick_engine chooses); "torch" loads it dequantised.
+    `tokenizer`: the model's, if load_tokenizer already read it (comparing target and draft first)."""
     if engine == "llama.cpp":
-        return load_gguf(spec)
+        return load_gguf(spec, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -405,7 +408,8 @@ def load_model(
         kwargs["local_files_only"] = True
     try:
         with quiet_hub():
-            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype, device_map=device_map, use_safetensors=True, **kwargs
             )

@@ -256,6 +256,7 @@ def load_models(opts: dict, progress):
                                  load_model, load_tokenizer, pick_device, pick_dtype, pick_engine, tokenizer_cached)
 
     specs = [opts["target"], *([opts["draft"]] if opts.get("draft") else [])]
+    tokenizers = [None, None]
     cached = all(tokenizer_cached(spec) for spec in specs)
     once = "" if cached else " (first start: converting the GGUF tokenizers once into the user cache, tens of seconds)"
     if opts.get("draft"):  # the vocabularies first: a mismatch is one line in a second, not after both models load
@@ -277,11 +278,11 @@ def load_models(opts: dict, progress):
             with progress.status(plan):
                 convert_gguf(path)
     with progress.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
-        target = load_model(opts["target"], device, dtype, **kwargs)
+        target = load_model(opts["target"], device, dtype, tokenizer=tokenizers[0], **kwargs)
     draft = None
     if opts.get("draft"):
         with progress.status(f"Loading draft {opts['draft']}..."):
-            draft = load_model(opts["draft"], device, dtype, **kwargs)
+            draft = load_model(opts["draft"], device, dtype, tokenizer=tokenizers[1], **kwargs)
         check_same_tokenizer(target, draft)
     return target, draft, device, dtype
 
