@@ -1,5 +1,7 @@
 """One set of rounds, one predicted speedup: the panel, the bench, tune and the export show the same number."""
 
+import dataclasses
+
 import pytest
 
 from specchat.bench import runner
@@ -166,3 +168,96 @@ def test_every_statistic_of_hand_worked_rounds():
     assert s.time_to_first_token_s == pytest.approx(0.052)  # prefill + round 0
     assert s.draft_ms_per_round == pytest.approx(3.0)  # 6 ms over the 2 rounds that drafted
     assert s.verify_ms_per_round == pytest.approx((0.002 + 0.012 + 0.012 + 0.010) * 1000 / 4)
+
+
+# ---------------------------------------------------------------- edges found by mutation testing (issue 26)
+
+
+def test_add_sums_every_generations_prefill_counts_a_one_token_draft_and_any_inexact_round():
+    """Two generations (prefill 50 ms and 30 ms): prefill_s is their sum, first_token_s one per generation; a round
+    that drafted a single token is a drafting round; one round under an approximate rule makes the whole run inexact."""
+    rounds = [rec(0, "draft", 1, 0, 1, 0.004, 0.001), rec(1, "draft", 1, 1, 2, 0.010, 0.001),
+              rec(0, "draft", 0, 0, 1, 0.002), rec(1, "draft", 1, 1, 2, 0.010, 0.001)]
+    rounds[0].prefill_s, rounds[2].prefill_s = 0.050, 0.030
+    rounds[1].exact = False
+    s = Stats.of(rounds)
+    assert s.prefill_s == pytest.approx(0.080)
+    assert s.first_token_s == pytest.approx([0.054, 0.032]) and s.time_to_first_token_s == pytest.approx(0.032)
+    assert (s.num_drafts, s.num_draft_tokens, s.mean_draft_len) == (3, 3, 1.0)
+    assert s.exact is False and Stats.of(rounds[2:]).exact is True
+
+
+def test_merge_adds_per_position_counts_of_different_lengths_and_keeps_inexact():
+    """K=3 (accepted 1) merged with K=1 (accepted 1, approximate rule): position by position [2, 1, 1] drafted,
+    [2, 0, 0] accepted, whichever side is longer; the merge is exact only if both are."""
+    k3 = Stats.of([rec(1, "draft", 3, 1, 2, 0.010, 0.003)])
+    k1_rounds = [rec(1, "draft", 1, 1, 2, 0.010, 0.001)]
+    k1_rounds[0].exact = False
+    k1 = Stats.of(k1_rounds)
+    for merged in (k3.merge(k1), k1.merge(k3)):
+        assert merged.num_draft_tokens_per_pos == [2, 1, 1] and merged.num_accepted_tokens_per_pos == [2, 0, 0]
+        assert merged.exact is False
+    assert k3.merge(k3).exact is True
+
+
+def test_copy_shares_no_list_with_the_original():
+    """Snapshots hand out copies: adding a round to a copy (which grows the per-position lists in place) must not
+    change the statistics it was copied from."""
+    s = Stats.of([rec(0, "draft", 1, 1, 2, 0.010, 0.001)])
+    c = s.copy()
+    c.add(rec(0, "draft", 3, 2, 3, 0.010, 0.003))
+    assert s.num_draft_tokens_per_pos == [1] and s.num_accepted_tokens_per_pos == [1] and len(s.first_token_s) == 1
+    assert c.num_draft_tokens_per_pos == [2, 1, 1] and len(c.first_token_s) == 2
+
+
+def test_summary_leaves_out_the_first_token_list():
+    """The per-generation list stays out of the summary (its last value is time_to_first_token_s)."""
+    out = Stats.of([rec(0, "off", 0, 0, 1, 0.002)]).summary()
+    assert "first_token_s" not in out and out["time_to_first_token_s"] == pytest.approx(0.002)
+
+
+def test_the_model_when_nothing_is_accepted_and_with_one_round_after_the_first():
+    """Three rounds drafting 2 and accepting none (2 ms drafting, 10 ms verifying, plain step 10 ms): a = 0 stays 0
+    (c = 0.1, v = 1.0, iid 1 / 1.2). Only a generation's first round: no model (no round to measure); one round
+    after it: a model resting on that one round."""
+    rejected = Stats.of([rec(i, "draft", 2, 0, 1, 0.012, 0.002) for i in range(3)])
+    model = speedup_model(rejected, 0.010)
+    assert (model.acceptance, model.k, model.rounds) == (0.0, 2.0, 2)
+    assert (model.draft_cost, model.verify_cost) == (pytest.approx(0.1), pytest.approx(1.0))
+    assert model.iid == pytest.approx(1 / 1.2) and model.predicted == pytest.approx(1 / 1.2)
+    assert speedup_model(Stats.of([rec(0, "draft", 2, 1, 2, 0.012, 0.002)]), 0.010) is None
+    one = speedup_model(Stats.of([rec(0, "draft", 2, 1, 2, 0.012, 0.002), rec(1, "draft", 2, 2, 3, 0.012, 0.002)]), 0.010)
+    assert one.rounds == 1 and one.tokens_per_round == 3.0 and one.round_cost == pytest.approx(1.2)
+
+
+def test_the_models_dict_names_both_speedups():
+    """The export's keys: every field, then predicted_speedup and iid_speedup."""
+    from specchat.engine.metrics import SpeedupModel
+
+    model = speedup_model(QUANT, PLAIN.plain_step_s)
+    d = model.as_dict()
+    fields = [f.name for f in dataclasses.fields(SpeedupModel)]
+    assert list(d) == fields + ["predicted_speedup", "iid_speedup"]
+    assert d["predicted_speedup"] == model.predicted and d["iid_speedup"] == model.iid
+
+
+def test_baseline_of_hand_worked_plain_rounds():
+    """Two plain rounds, 10 ms and 30 ms, one token each, at times 7 and 5: a step of 20 ms, 2 tokens / 40 ms = 50
+    tok/s, measured at the latest time. No rounds, or rounds without wall time: no baseline."""
+    from specchat.engine.metrics import Baseline
+
+    b = Baseline.of([(7.0, rec(1, "off", 0, 0, 1, 0.010)), (5.0, rec(2, "off", 0, 0, 1, 0.030))])
+    assert (b.step_s, b.tokens_per_s, b.rounds, b.measured_at) == (pytest.approx(0.020), pytest.approx(50.0), 2, 7.0)
+    assert Baseline.of([]) is None and Baseline.of([(1.0, rec(1, "off", 0, 0, 1, 0.0))]) is None
+
+
+def test_measured_speedup_by_hand_and_none_without_either_side():
+    """QUANT: rounds 1..11 give 31 tokens at 43 ms a round; PLAIN: 1 token per 21 ms. Without a side, or a side
+    without tokens/s, there is no ratio (not an error)."""
+    from specchat.engine.metrics import Baseline, measured_speedup
+
+    assert measured_speedup(QUANT, PLAIN) == pytest.approx((31 / (11 * 0.043)) / (1 / 0.021))
+    baseline = Baseline(step_s=0.02, tokens_per_s=50.0, rounds=3, measured_at=0.0)
+    assert measured_speedup(QUANT, baseline) == pytest.approx(31 / (11 * 0.043) / 50.0)
+    assert measured_speedup(None, PLAIN) is None and measured_speedup(QUANT, None) is None
+    assert measured_speedup(Stats(), PLAIN) is None and measured_speedup(QUANT, Stats()) is None
