@@ -56,6 +56,7 @@ async def test_the_chat_shows_before_its_model_and_sends_what_was_typed_meanwhil
         assert "loading the model" in app.sub_title and "loading the model" in str(app.query_one("#mode-line").render())
         await send(pilot, "typed while loading")
         assert [v.text for v in app.query(UserView) if v.queued] == ["typed while loading"]
+        assert "sent once the model is ready" in str(app.query_one(UserView).render())
         assert app.check_action("export", ()) is None and app.check_action("mode_key", (0,)) is None  # wait for the model
         assert app.check_action("help", ()) and app.check_action("quit", ())
         await pilot.press("f3")  # a mode key while loading does nothing (no session to switch)
@@ -63,6 +64,7 @@ async def test_the_chat_shows_before_its_model_and_sends_what_was_typed_meanwhil
         await wait_for(pilot, lambda: app.session is not None and not app.generating and app.session.turns)
         assert not app.query(StartupView)  # the stages give way to the conversation
         assert app.session.turns[0].user == "typed while loading"
+        assert str(app.query_one(UserView).render()) == "typed while loading"  # no note once sent
         assert app.session.turns[0].reply == "".join(VOCAB[i] for i in REPLY)
         assert "fake-target" in app.sub_title
         assert any("Loading target fake-target" in line and " s" in line for line, _ in app.log_lines)  # each stage's time

@@ -344,6 +344,8 @@ class SpecChatApp(App):
         if self.generating or self.session is None:  # queued, shown as such, sent when the reply ends (or the model is ready)
             event.input.value = ""
             view = UserView(text, queued=True)
+            if self.session is None:
+                view.status = "queued: sent once the model is ready"
             self.queued.append((text, view))
             conversation = self.query_one(Conversation)
             conversation.mount(view)
@@ -363,7 +365,7 @@ class SpecChatApp(App):
         if view is None:
             view = UserView(text)
             conversation.mount(view)
-        view.queued = False
+        view.queued, view.status = False, ""
         self.reply_view = ReplyView(len(self.session.turns)).data_bind(SpecChatApp.show_rejected)
         earlier = len(self.session.messages) - (self.session.system is not None)
         if earlier and not self.session.turns:  # a resumed conversation: its first reply encodes all of it first

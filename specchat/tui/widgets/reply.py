@@ -171,7 +171,7 @@ class UserView(Widget):
         self.set_class(queued, "-queued")
 
     def render(self) -> Content:
-        note = "queued: sent when this reply finishes" if self.queued else self.status
+        note = (self.status or "queued: sent when this reply finishes") if self.queued else self.status
         if not note:
             return Content(self.text)
         style = Style.from_rich_style(self.get_component_rich_style("user--status", partial=True))
