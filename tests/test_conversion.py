@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from specchat import models
 from specchat.cli.options import load_models
+from specchat.engine import smallbatch
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def test_a_quantised_file_is_stored_as_float32_and_a_16_bit_file_as_its_own_type
 
 def test_the_first_load_on_torch_says_what_it_converts_before_converting(tmp_path, monkeypatch):
     """A copy of the default file is another file (another cache entry, not converted yet): its plan line comes, as
-    a stage of its own, before the conversion starts."""
+    a stage of its own, before the conversion starts; so does the kernel's compilation on a machine without it."""
     copy = tmp_path / "mine.gguf"
     shutil.copyfile(models.default_gguf(), copy)
     plan = models.conversion_plan(copy)
@@ -70,7 +71,12 @@ def test_the_first_load_on_torch_says_what_it_converts_before_converting(tmp_pat
             return contextlib.nullcontext()
 
     monkeypatch.setattr(models, "convert_gguf", convert)
+    built = []
+    monkeypatch.setattr(smallbatch, "needs_build", lambda folder: not built)  # as on a first start
+    monkeypatch.setattr(smallbatch, "load", lambda folder: built.append(list(stages)) or True)
     opts = dict(target=str(copy), draft=None, download=False, device="cpu", dtype="auto", device_map=None,
                 trust_remote_code=False, threads=None, engine="torch")
     load_models(opts, Progress())
-    assert stages[0] == plan and converted[0] == (copy, [plan])  # announced, then done
+    assert stages[0].startswith("Compiling specchat's small-batch kernel once") and built[0] == stages[:1]
+    assert stages[1] == plan and converted[0] == (copy, stages[:2])  # announced, then done
+    assert stages[2].startswith("Loading target") and "converting the GGUF tokenizers" not in stages[2]

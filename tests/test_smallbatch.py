@@ -149,7 +149,9 @@ def test_a_fresh_build_loads(monkeypatch, tmp_path):
     """Compiled into an empty folder (a first start), loaded, and used."""
     monkeypatch.setattr(smallbatch, "_fn", None)
     monkeypatch.setattr(smallbatch, "_lib", None)
+    assert smallbatch.needs_build(tmp_path)  # what load_models announces as a stage of its own
     assert smallbatch.load(tmp_path) is True and smallbatch.kernel_name() == "fused"
+    assert not smallbatch.needs_build(tmp_path)
     assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary file left
     x, w = torch.randn(1, 5, 40), torch.randn(24, 40)
     with torch.inference_mode():

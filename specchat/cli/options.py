@@ -271,6 +271,15 @@ def load_models(opts: dict, progress):
     engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
+    once = once if engine == "llama.cpp" else ""  # torch takes the tokenizer from the GGUF's conversion below
+    if engine == "torch" and device.type == "cpu":  # the lean runner's kernel is compiled once per machine: say so
+        from specchat.engine import smallbatch
+        from specchat.store import cache_dir
+
+        if smallbatch.needs_build(cache_dir() / "kernels"):
+            with progress.status("Compiling specchat's small-batch kernel once for this CPU (cc -O3 -march=native: 19 s "
+                                 "on the 2-core reference machine)..."):
+                smallbatch.load(cache_dir() / "kernels")
     for spec in specs if engine == "torch" else []:  # a GGUF for torch is dequantised once first: say how big, how long
         path = default_gguf() if spec is None else Path(spec).expanduser()
         plan = conversion_plan(path) if is_gguf(spec) and path.is_file() else None

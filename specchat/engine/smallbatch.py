@@ -2,7 +2,7 @@
 
 A verify feeds K+1 positions; PyTorch's GEMM reads the weights at 1.6-2.5x the cost of a one-row step for
 4-16 rows, the kernel reads them once for all of up to 16 rows (see its header). `load(folder)` compiles it once per
-machine with the system's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into `folder` (the user
+machine with the system's C compiler (`cc -O3 -march=native -fopenmp`: 18.6 s with GCC 12 on the reference Xeon) into `folder` (the user
 cache: models.load_model passes it, the engine knows no folders) and loads it with ctypes, which releases the
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
 where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.
@@ -49,12 +49,27 @@ def _cpu_key() -> str:
         return platform.processor() or platform.machine()
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _built_path(folder: Path, cc: str) -> Path:
+    """Where the kernel compiled by `cc` for this CPU and source lies in `folder`."""
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_key().encode()).hexdigest()[:12]
+    return folder / f"smallbatch-{key}.so"
+
+
+def needs_build(folder: Path) -> bool:
+    """Whether load(folder) will compile first (a first start on this machine: tens of seconds, so the caller says so)."""
+    cc = _compiler()
+    return _fn is None and cc is not None and not _built_path(Path(folder), cc).is_file()
+
+
 def _build(folder: Path) -> Path | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         return None
-    key = hashlib.sha1(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_key().encode()).hexdigest()[:12]
-    path = folder / f"smallbatch-{key}.so"
+    path = _built_path(folder, cc)
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".smallbatch-", suffix=".so")
