@@ -47,11 +47,16 @@ def startup_text(app) -> str:
 
 
 @pytest.mark.asyncio
-async def test_the_chat_shows_before_its_model_and_sends_what_was_typed_meanwhile(tmp_path):
+@pytest.mark.parametrize("size", [(80, 24), (160, 45)])
+async def test_the_chat_shows_before_its_model_and_sends_what_was_typed_meanwhile(tmp_path, size):
     load = GatedLoad()
     app = RecordingApp(load=load)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=size) as pilot:
         await wait_for(pilot, lambda: "Loading target fake-target" in startup_text(app))
+        await pilot.pause()
+        screen = app.screen.region
+        for widget in (app.query_one(StartupView), app.query_one("#prompt")):  # on screen, whole, at either size
+            assert widget.region.height > 0 and screen.contains_region(widget.region), (widget, widget.region)
         assert app.session is None and load.thread is not threading.main_thread()
         assert "loading the model" in app.sub_title and "loading the model" in str(app.query_one("#mode-line").render())
         await send(pilot, "typed while loading")
