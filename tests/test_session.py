@@ -1,14 +1,19 @@
 """A conversation over several turns in every mode: the target cache is reused across turns (earlyexit even
 writes into it), and every turn's reply is what a fresh session gives for the same ids."""
 
+import os
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import tiny_model_dir
+from helpers import REPLY, VOCAB, FakeDrafter, FakeSession, tiny_model_dir
+from specchat.conversation import PromptTooLong
 from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
+from specchat.modes import MODES as MODE_NAMES
 from specchat.session import Session
 
 MODES = ["off", "draft", "layerskip", "earlyexit", "lowrank", "quant", "lookup"]
@@ -82,3 +87,312 @@ def test_suffix_drafts_from_the_saved_conversations(tiny, monkeypatch, tmp_path)
     proposal = drafter.propose(SimpleNamespace(tokens=[7, 7] + ids[:cut], device=torch.device("cpu")), 3, None, None)
     assert proposal.ids.tolist() == ids[cut : cut + 3]
     assert Session(tiny, mode="suffix", max_new_tokens=8, earlier_sessions=False).controls.drafter.corpus_tokens == 0
+
+
+# ---------------------------------------------------------------- what the user said and got, whatever happens
+
+
+def test_a_prompt_too_long_is_refused_before_the_conversation_changes():
+    """A message that would not fit raises PromptTooLong, saying why, before it is added: the conversation stays as
+    it was (no dangling user message, no empty turn). A prompt of exactly the context fits nothing: refused too."""
+    session = FakeSession(context_len=5)  # FakeSession's prompt: 3 + words per message
+    list(session.reply("a"))  # 4 tokens: fits
+    before, turns = list(session.messages), list(session.turns)
+    size = len(session.chat_prompt([*before, {"role": "user", "content": "b c"}]))
+    for check in (session.check_message, lambda text: list(session.reply(text))):
+        with pytest.raises(PromptTooLong, match=rf"^the prompt is {size} tokens; fake-target has a context of 5$"):
+            check("b c")
+        assert session.messages == before and session.turns == turns
+    session.messages, session.turns = [], []
+    with pytest.raises(PromptTooLong, match="the prompt is 5 tokens"):
+        session.check_message("b c")  # exactly the context
+    session.check_message("b")
+    session.state.context_len = None  # no known limit: nothing is refused
+    session.check_fits([0] * 10_000)
+
+
+def test_a_completion_is_recorded_as_a_turn_without_a_user_message():
+    """`complete` (raw prompt ids) records its turn with an empty user text and the prompt's length, and leaves the
+    chat's messages alone, also when it is stopped."""
+    session = FakeSession()
+    rounds = session.complete([5, 6, 7])
+    next(rounds)
+    rounds.close()
+    [turn] = session.turns
+    assert (turn.user, turn.prompt_tokens, session.messages) == ("", 3, [])
+    assert turn.reply and turn.reply_ids == REPLY[: len(turn.reply_ids)]
+
+
+class CharTokenizer:
+    """Encodes character by character (chat headers <s> <u> <a> are special tokens), but its vocabulary also holds
+    the whole words of helpers.VOCAB (ids 0-27) that FakeSession's replies are made of: as with BPE, re-encoding a
+    reply's text does not give back the ids the model generated. Decoding cleans up " ." unless told not to, as
+    many Hugging Face tokenizers do; encoding prepends <bos> unless add_special_tokens=False."""
+
+    SPECIAL = {"<s>": 900, "<u>": 901, "<a>": 902, "<bos>": 903, "<unk>": 904}
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = "".join(f"<{m['role'][0]}>{m['content']}" for m in messages) + ("<a>" if add_generation_prompt else "")
+        return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [self.SPECIAL["<bos>"]] if add_special_tokens else []
+        for part in re.split("(<[sua]>)", text):
+            ids += [self.SPECIAL[part]] if part in self.SPECIAL else [1000 + ord(c) if c.isascii() else 904 for c in part]
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
+        names = {v: k for k, v in self.SPECIAL.items()}
+        text = "".join(("" if skip_special_tokens else names[i]) if i in names else VOCAB[i] if i < 1000 else chr(i - 1000)
+                       for i in ids)
+        return text if clean_up_tokenization_spaces is False else text.replace(" .", ".")
+
+
+class TokenizingSession(FakeSession):
+    """FakeSession with the real prompt building (Session's `_continue_conversation`) over CharTokenizer."""
+
+    _continue_conversation = Session._continue_conversation
+
+    def __init__(self):
+        super().__init__()
+        self.target.tokenizer, self.prompts = CharTokenizer(), []
+
+    def chat_prompt(self, messages):
+        return self.target.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _rounds(self, prompt):
+        self.prompts.append(list(prompt))
+        return super()._rounds(prompt)
+
+
+def test_the_next_turn_continues_the_exact_ids_the_conversation_ran_as():
+    """The second turn's prompt is the first turn's prompt and reply ids exactly as generated, then the new user
+    message and the assistant header (so the cache is reused whole and the model answers, rather than continuing
+    the user's text). When the continuation would not decode to the conversation's text (here a character the
+    tokenizer cannot encode), or after the messages were replaced, the conversation is encoded afresh."""
+    session = TokenizingSession()
+    encode = lambda text: session.target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    list(session.reply("hi ."))
+    assert session.prompts[0] == encode("<u>hi .<a>")
+    list(session.reply("more"))
+    assert session.prompts[1] == encode("<u>hi .<a>") + REPLY + encode("<u>more<a>")
+    list(session.reply("caf\u00e9"))  # é encodes as <unk>: the ids would not decode to the text
+    assert session.prompts[2] == session.chat_prompt(session.messages[:-1])
+    session.restore(session.messages)
+    list(session.reply("again"))
+    assert session.prompts[3] == session.chat_prompt(session.messages[:-1])
+
+
+def test_a_reply_is_recorded_without_special_tokens(tiny):
+    """The reply's text (what the messages and the saved conversation keep) leaves out the EOS that ended it."""
+    session = Session(tiny, sampling=SamplingParams(0), max_new_tokens=64)
+    list(session.reply("rain"))  # this tiny model answers "for", then EOS
+    turn = session.turns[-1]
+    assert (turn.stop_reason, turn.reply_ids[-1], turn.reply) == ("eos", 1, "for")
+    assert session.messages[-1] == {"role": "assistant", "content": "for"}
+
+
+# ---------------------------------------------------------------- settings, seeds, setup
+
+
+def test_a_session_has_its_documented_defaults_and_labels(tiny):
+    session = Session(tiny)
+    assert (session.mode, session.controls.k, session.max_new_tokens) == ("off", 4, 256)
+    assert session.modes is MODE_NAMES and (session.device_label, session.engine_label) == ("cpu", "torch")
+    assert Session(tiny, k=3).controls.k == 3
+
+
+def test_the_seed_alone_decides_a_sampled_reply(tiny, monkeypatch):
+    """Two sessions with the same seed sample the same reply whatever torch's global generator holds; without a
+    seed one is drawn from 2**31 values (not a handful, which would repeat replies across sessions)."""
+    replies = []
+    for global_seed in (0, 1):
+        session = Session(tiny, sampling=SamplingParams(1.0), seed=7, max_new_tokens=12)
+        session.eos_ids = set()
+        torch.manual_seed(global_seed)
+        list(session.reply("hello world"))
+        replies.append(session.turns[-1].reply_ids)
+        assert session.seed == 7
+    assert replies[0] == replies[1]
+    bounds = []
+
+    class Drawn:
+        def randrange(self, n):
+            bounds.append(n)
+            return n - 1
+
+    monkeypatch.setattr("random.SystemRandom", Drawn)
+    assert Session(tiny).seed == bounds[0] - 1 and bounds[0] >= 2**31
+
+
+def test_auto_s_setup_names_the_weights_engine_machine_and_head(tiny, tmp_path):
+    """What auto's learnt rates are kept under: every key, and the head file by name and size (None when missing)."""
+    from specchat import machine, models, threads
+
+    head = tmp_path / "h.safetensors"
+    head.write_bytes(b"12345")
+    common = {"engine": "torch", "device": "cpu", "dtype": tiny.dtype_name, "threads": threads.setting(),
+              "cpu": machine.cpu_name(), "cores": os.cpu_count()}
+    weights = models.weights_id(tiny.model)
+    assert Session(tiny, tiny).setup({"head_file": str(head)}) == {"target": weights, "draft": weights, "head": "h.safetensors:5", **common}
+    assert Session(tiny).setup({"head_file": str(tmp_path / "gone")}) == {"target": weights, "draft": None, "head": None, **common}
+    assert Session(tiny).setup({})["head"] is None
+
+
+def test_drafter_options_on_llama_cpp_ask_for_a_smaller_quantisation(monkeypatch, caplog):
+    """A GGUF target: mode quant (and auto, on a 16- or 32-bit file only) drafts with a smaller quantisation of
+    the file; none when it would be the same type, when the user gave one, or when it cannot be made (said why)."""
+    from specchat.engine.llamacpp import EngineError
+    from specchat.session import drafter_options
+
+    monkeypatch.setattr("specchat.models.quantized_gguf", lambda path, kind: Path(f"{path}.{kind}"))
+    monkeypatch.setattr("specchat.store.load_tuned", lambda model, mode: {"skip_layers": [1]})
+    gguf = lambda dtype: SimpleNamespace(engine="llama.cpp", dtype=dtype, path=Path("/m/x.gguf"))
+    for mode, dtype, want in [("quant", "F16", "Q4_0"), ("quant", "Q8_0", "Q4_0"), ("quant", "Q6_K", "Q3_K_M"),
+                              ("quant", "Q4_K_M", "Q2_K"), ("quant", "Q2_K", None), ("auto", "F32", "Q4_0"),
+                              ("auto", "F16", "Q4_0"), ("auto", "BF16", "Q4_0"), ("auto", "Q8_0", None),
+                              ("off", "F16", None), ("layerskip", "F16", None)]:
+        expected = {"quant_gguf": f"/m/x.gguf.{want}"} if want else {}
+        assert drafter_options(gguf(dtype), mode, {}) == expected, (mode, dtype)
+    assert drafter_options(gguf("F16"), "quant", {"quant_gguf": "mine.gguf"}) == {"quant_gguf": "mine.gguf"}
+
+    def fails(path, kind):
+        raise EngineError("no quantizer")
+
+    monkeypatch.setattr("specchat.models.quantized_gguf", fails)
+    with caplog.at_level("WARNING", logger="specchat"):
+        assert drafter_options(gguf("F16"), "quant", {"k": 1}) == {"k": 1}
+    assert caplog.messages == ["no Q4_0 copy of x.gguf for mode quant: no quantizer"]
+
+
+def test_drafter_options_add_the_tuned_setting_the_factor_store_and_the_head(monkeypatch, tmp_path):
+    """A torch target: a tunable mode gets the setting `specchat tune` saved unless the user gave one; lowrank its
+    factor store in the user cache; head (and auto, for its head candidate) the head file found for the weights."""
+    from specchat import store
+    from specchat.session import drafter_options
+
+    tuned = {"layerskip": {"skip_layers": [1, 2]}, "earlyexit": {"other": 3}, "lowrank": {"rank": 8}}
+    monkeypatch.setattr("specchat.store.load_tuned", lambda model, mode: tuned.get(mode))
+    monkeypatch.setattr("specchat.session.fingerprint", lambda model: "fp")
+    monkeypatch.setattr("specchat.store.find_head", lambda fp: Path(f"/heads/{fp}.safetensors"))
+    model = SimpleNamespace(engine="torch")
+    assert drafter_options(model, "layerskip", {}) == {"skip_layers": [1, 2]}
+    assert drafter_options(model, "layerskip", {"skip_layers": [3]}) == {"skip_layers": [3]}
+    assert drafter_options(model, "earlyexit", {}) == {}
+    assert drafter_options(model, "off", {"k": 1}) == {"k": 1}
+    lowrank = drafter_options(model, "lowrank", {})
+    assert lowrank.pop("rank") == 8 and lowrank.pop("factor_store").folder == store.cache_dir() / "lowrank" and not lowrank
+    mine = store.TensorStore(tmp_path)
+    assert drafter_options(model, "lowrank", {"factor_store": mine, "rank": 2}) == {"factor_store": mine, "rank": 2}
+    assert drafter_options(model, "head", {}) == {"head_file": Path("/heads/fp.safetensors")}
+    assert drafter_options(model, "head", {"head_file": "mine"}) == {"head_file": "mine"}
+    assert drafter_options(model, "auto", {}) == {"head_file": Path("/heads/fp.safetensors")}
+
+
+def test_each_mode_s_drafter_is_built_with_its_own_options_and_auto_with_the_saved_conversations(tiny, monkeypatch):
+    """The options a drafter is built with are its mode's; auto (like suffix) also gets the saved conversations and
+    the rates earlier sessions learnt."""
+    built = []
+    monkeypatch.setattr("specchat.session.build_drafter", lambda mode, target, draft, **options: built.append((mode, options)) or FakeDrafter(mode))
+    monkeypatch.setattr("specchat.store.load_tuned", lambda model, mode: {"skip_layers": [1]} if mode == "layerskip" else None)
+    session = Session(tiny, mode="layerskip")
+    assert built[-1] == ("layerskip", {"skip_layers": [1]})
+    session.set_mode("auto")
+    assert built[-1][0] == "auto" and built[-1][1]["references"] == [] and built[-1][1]["memory"] is not None
+
+
+def test_saved_conversations_are_read_most_recent_last_within_the_budget(tiny, monkeypatch, tmp_path):
+    """Suffix's corpus: each saved conversation's chat messages (other entries dropped; none saved: no tokens) as
+    token ids, the most recent last, stopping once `budget` tokens are read in all; one the template refuses is
+    skipped, not the end of it."""
+    import json
+
+    from specchat import history
+
+    monkeypatch.setenv("SPECCHAT_DATA_DIR", str(tmp_path))
+    folder = history.conversations_dir()
+    folder.mkdir(parents=True)
+    said = {"e": [{"role": "user", "content": "rain"}],
+            "a": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}, {"role": "tool", "content": "x"},
+                  {"role": "user", "content": 5}, "junk"],
+            "b": [{"role": "user", "content": "refused"}], "c": None, "d": [{"role": "user", "content": "the cat"}]}
+    for i, (name, messages) in enumerate(said.items()):  # d is the most recent
+        data = {"format": history.FORMAT, "updated": f"2026-01-0{i + 1}T00:00:00+00:00"}
+        (folder / f"{name}.json").write_text(json.dumps(data if messages is None else {**data, "messages": messages}))
+    ids = {name: tiny.chat_ids(said[name][:2]) for name in ("e", "a", "d")}
+    real = tiny.chat_ids
+    monkeypatch.setattr(tiny, "chat_ids", lambda m: 1 / 0 if m[0]["content"] == "refused" else real(m))
+    session = Session(tiny, max_new_tokens=8)
+    assert session.saved_conversations() == [ids["e"], ids["a"], [], ids["d"]]
+    assert session.saved_conversations(budget=len(ids["d"])) == [ids["d"]]
+    assert session.saved_conversations(budget=len(ids["d"]) + 1) == [ids["a"], [], ids["d"]]
+    assert session.saved_conversations(budget=len(ids["d"]) + len(ids["a"])) == [ids["a"], [], ids["d"]]
+
+
+def test_another_engine_shares_the_weights_not_the_cache_drafter_or_baseline(tiny):
+    """`engine()` (verify's parallel draws): its own KV cache on the same runner, its own drafter of this session's
+    mode, the same K, sampling and rule, its own copy of adaptive K, and no in-band baseline."""
+    from specchat.engine.loop import AdaptiveK
+
+    session = Session(tiny, tiny, mode="draft", k=3, sampling=SamplingParams(0.5))
+    session.controls.adaptive = AdaptiveK(start=5)
+    session.measure_baseline(4)
+    state, controls = session.engine()
+    assert state is not session.state and state.runner == session.state.runner and state.tokens == []
+    assert controls.drafter is not session.controls.drafter and controls.mode == "draft"
+    assert (controls.k, controls.sampling, controls.rule) == (3, SamplingParams(0.5), session.controls.rule)
+    assert controls.adaptive is not session.controls.adaptive and controls.adaptive.start == 5
+    assert (controls.baseline, controls.baseline_every, controls.rounds_since_baseline) == (None, 0, 0)
+
+
+def test_measure_baseline_runs_plain_rounds_every_n_and_the_first_at_once(tiny):
+    session = Session(tiny, tiny, mode="draft")
+    session.measure_baseline(8)
+    c = session.controls
+    assert (c.baseline.name, c.baseline is session.drafter("off"), c.baseline_every, c.rounds_since_baseline) == ("off", True, 8, 7)
+    session.measure_baseline(0)
+    assert (c.baseline, c.baseline_every, c.rounds_since_baseline) == (None, 0, 0)
+
+
+def test_configure_mode_rebuilds_only_that_mode_and_token_text_keeps_specials(tiny):
+    session = Session(tiny, tiny, mode="draft", mode_options={"calibration": 16})
+    draft, off = session.drafter("draft"), session.drafter("off")
+    session.configure_mode("draft", k_hint=2)
+    assert session.mode_options == {"calibration": 16, "k_hint": 2}
+    assert session.drafter("off") is off and session.drafter("draft") is not draft
+    assert session.token_text(1) == "<eos>" and session.token_text(30) == tiny.tokenizer.convert_ids_to_tokens(30)
+    assert session.raw_prompt("the cat") == tiny.raw_ids("the cat")
+
+
+def test_another_engine_builds_its_drafter_like_the_session_s(tiny, monkeypatch):
+    """The other engine's drafter: this mode, these weights, the mode's options (tuned setting included), with or
+    without a draft model; its own adaptive K schedule; its cache on the session's runner."""
+    from specchat.engine.llamacpp import target_state
+    from specchat.engine.loop import AdaptiveK
+
+    built = []
+    monkeypatch.setattr("specchat.session.build_drafter", lambda *args, **options: built.append((args, options)) or FakeDrafter(args[0]))
+    monkeypatch.setattr("specchat.store.load_tuned", lambda model, mode: {"skip_layers": [2]} if (model, mode) == (tiny.model, "layerskip") else None)
+    session = Session(tiny, mode="layerskip", mode_options={"calibration": 16})
+    session.controls.adaptive = AdaptiveK()
+    session.state = target_state(tiny.model, "hf")
+    state, controls = session.engine()
+    assert built[-1] == (("layerskip", tiny.model, None), {"calibration": 16, "skip_layers": [2]})
+    assert state.runner == "hf"
+    controls.adaptive.update("layerskip", 4, 4)
+    assert session.controls.adaptive.ks == {}
+
+
+def test_configure_mode_of_a_mode_not_built_yet_only_stores_its_settings(tiny):
+    session = Session(tiny)
+    session.configure_mode("layerskip", skip_layers=[1])
+    assert session.mode_options == {"skip_layers": [1]} and "layerskip" not in session._drafters
+
+
+def test_check_message_measures_the_message_as_the_user_s_next_turn():
+    session = TokenizingSession()
+    session.state.context_len = len(session.chat_prompt([{"role": "user", "content": "hi"}])) + 1
+    session.check_message("hi")
+    session.state.context_len -= 1
+    with pytest.raises(PromptTooLong):
+        session.check_message("hi")
