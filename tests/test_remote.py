@@ -311,3 +311,17 @@ def test_an_export_of_a_remote_session_says_what_ran_and_nothing_invented(standi
     assert (step["drafted"], step["accepted"], step["draft_s"], step["verify_s"]) == (2, 1, None, None)
     assert [t["kind"] for t in step["tokens"]] == ["accepted", "resampled"] and step["tokens"][0]["p"] is None
     assert "sk-secret" not in text and "sk-secret" not in csv_path.read_text()
+
+
+def test_the_chat_connects_to_its_server_before_the_app_shows(standin, monkeypatch):
+    """A local chat shows at once and loads in the background; a server names the modes the app is built with (its
+    configurations), so the chat connects first (a second at most) and hands the app the connected session."""
+    from click.testing import CliRunner
+
+    from specchat.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr("specchat.tui.app.run_chat", lambda session=None, load=None, **kw: seen.update(session=session, load=load))
+    result = CliRunner().invoke(main, ["--server", standin.url])
+    assert result.exit_code == 0, result.output
+    assert seen["load"] is None and isinstance(seen["session"], RemoteSession) and seen["session"].server.url == standin.url
