@@ -37,8 +37,10 @@ def generate(prompt: str, mode: str, state: Path, args: argparse.Namespace) -> d
            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature), "--seed", "1",
            *shlex.split(args.args)]
     env = {**os.environ, "SPECCHAT_STATE_DIR": str(state), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if run.returncode != 0:  # say why, not only that it failed
+        raise SystemExit(f"specchat generate exited {run.returncode} ({mode}, {prompt[:40]!r}): {run.stderr.strip()[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def learn(state: Path, args: argparse.Namespace) -> dict:
