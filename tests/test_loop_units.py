@@ -1,0 +1,270 @@
+"""The speculative loop's bookkeeping on a scripted target and drafter, with hand-worked expectations.
+
+The target is a counter over V = 8 tokens: after token t it predicts (t + 1) % 8 (logit 5 there, 0 elsewhere),
+so with greedy sampling each round's outcome is known: drafts along the chain are accepted, the first one off it
+is rejected and replaced by the chain's next token. No model runs; the whole file takes well under a second.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.loop import AdaptiveK, Controls, generate, one_hot, top_alternatives
+from specchat.engine.sampling import SamplingParams
+
+V = 8
+GREEDY = SamplingParams(0)
+
+
+class CounterState:
+    """Just what generate() uses of a TargetState: tokens, start, verify, commit, device, vocab, context."""
+
+    device = torch.device("cpu")
+    vocab_size = V
+
+    def __init__(self, context_len: int | None = None) -> None:
+        self.context_len = context_len
+        self.tokens: list[int] = []
+        self.verified: list[list[int]] = []
+
+    def start(self, prompt: list[int]) -> None:
+        time.sleep(0.001)  # a measurable prefill
+        self.tokens = list(prompt)
+
+    @staticmethod
+    def logits_after(t: int) -> torch.Tensor:
+        row = torch.zeros(V)
+        row[(t + 1) % V] = 5.0
+        return row
+
+    def verify(self, draft_ids: list[int]) -> torch.Tensor:
+        self.verified.append(list(draft_ids))
+        return torch.stack([self.logits_after(t) for t in [self.tokens[-1], *draft_ids]])
+
+    def commit(self, new: list[int]) -> None:
+        self.tokens.extend(new)
+
+
+class Scripted(Drafter):
+    """Drafts the counter's chain, except position `wrong_at` (0-based), which is shifted by 3 (a sure reject)."""
+
+    def __init__(self, name: str = "scripted", wrong_at: int | None = None) -> None:
+        self.name, self.wrong_at, self.ks = name, wrong_at, []
+
+    def propose(self, state, k, params, generator):
+        self.ks.append(k)
+        last, ids = state.tokens[-1], []
+        for j in range(k):
+            last = (last + 1) % V
+            ids.append((last + 3) % V if j == self.wrong_at else last)
+        return Proposal(torch.tensor(ids), None, 1)
+
+
+def rounds(drafter, *, k=3, max_new=7, eos=(), context_len=None, prompt=(0,), params=GREEDY, **extra):
+    controls = Controls(drafter, k=k, sampling=params, **extra)
+    state = CounterState(context_len)
+    gen = torch.Generator().manual_seed(0)
+    return list(generate(state, list(prompt), controls, max_new_tokens=max_new, eos_ids=set(eos), generator=gen)), state
+
+
+def ids(records):
+    return [t.id for r in records for t in r.tokens]
+
+
+# ---------------------------------------------------------------- AdaptiveK
+
+
+def test_adaptive_k_steps_plus_two_minus_one_within_bounds_per_mode():
+    """+2 after a fully accepted block, -1 after a rejection, clamped to [k_min, k_max]; a round without drafts
+    changes nothing; each mode keeps its own K."""
+    a = AdaptiveK(start=3, k_min=2, k_max=6, p_min=0.5)
+    assert (a.start, a.k_min, a.k_max, a.p_min) == (3, 2, 6, 0.5)
+    assert a.k("x") == 3 and a.ks == {}
+    a.update("x", 0, 0)
+    assert a.k("x") == 3 and a.ks == {}
+    a.update("x", 3, 3)
+    assert a.k("x") == 5 and a.k("y") == 3
+    a.update("x", 5, 5)
+    assert a.k("x") == 6  # 7 clamped to k_max
+    a.update("x", 6, 5)
+    assert a.k("x") == 5
+    a.update("y", 3, 0)
+    a.update("y", 2, 1)
+    a.update("y", 2, 0)
+    assert a.k("y") == 2  # 3 -> 2 -> 2 (k_min), not lower
+    assert AdaptiveK().k("z") == 4 and (AdaptiveK().k_min, AdaptiveK().k_max, AdaptiveK().p_min) == (1, 16, 0.0)
+
+
+def test_the_loop_follows_adaptive_k_and_sets_the_drafters_p_min():
+    """AdaptiveK(start=2, k_max=3) with every draft accepted: K = 2, then 3 (2 + 2 clamped), 3, ...; with every
+    first draft rejected: 2, then 1, 1 (k_min). The drafter's p_min comes from AdaptiveK, else it is reset to 0."""
+    good = Scripted()
+    recs, _ = rounds(good, k=9, max_new=20, adaptive=AdaptiveK(start=2, k_max=3, p_min=0.25))
+    assert [r.draft_len for r in recs][:4] == [2, 3, 3, 3] and good.p_min == 0.25
+    bad = Scripted(wrong_at=0)
+    recs, _ = rounds(bad, k=9, max_new=5, adaptive=AdaptiveK(start=2))
+    assert [r.draft_len for r in recs] == [2, 1, 1, 1, 0]  # the last one capped by the budget
+    plain = Scripted()
+    plain.p_min = 0.7
+    rounds(plain, k=2, max_new=3)
+    assert plain.p_min == 0.0
+
+
+# ---------------------------------------------------------------- counts and labels
+
+
+def test_full_acceptance_then_the_budget_caps_the_last_block():
+    """Prompt [0], K=3, budget 7: round 0 drafts 1 2 3, all accepted, bonus 4; round 1 may draft only
+    7 - 4 - 1 = 2 (the last token needs no draft): 5 6 accepted, bonus 7, and the budget is reached."""
+    drafter = Scripted()
+    recs, state = rounds(drafter, k=3, max_new=7)
+    assert ids(recs) == [1, 2, 3, 4, 5, 6, 7] and state.tokens == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert drafter.ks == [3, 2] and state.verified == [[1, 2, 3], [5, 6]]
+    r0, r1 = recs
+    assert (r0.index, r0.mode, r0.draft_len, r0.drafted, r0.accepted, r0.draft_calls) == (0, "scripted", 3, 3, 3, 1)
+    assert (r1.index, r1.draft_len, r1.drafted, r1.accepted) == (1, 2, 2, 2)
+    assert r0.rejected == [] and r0.stop_reason is None and r1.stop_reason == "max_new_tokens"
+    assert r0.expected_tokens == pytest.approx(4.0) and r1.expected_tokens == pytest.approx(3.0)
+    assert [t.kind for t in r0.tokens] == ["accepted"] * 3 + ["bonus"]
+    assert [t.position for t in r0.tokens] == [1, 2, 3, 4] and {t.round for t in r1.tokens} == {1}
+    assert [t.accept_prob for t in r0.tokens] == [1.0, 1.0, 1.0, None]
+    assert [t.q for t in r0.tokens] == [1.0, 1.0, 1.0, None]
+    assert r0.tokens[3].top_q == () and r0.tokens[0].top_q[0] == (1, 1.0)
+    assert all(t.p == 1.0 and t.top_p == ((t.id, 1.0),) for t in r0.tokens)
+    assert r0.exact is True and r0.prefill_s > 0 and r1.prefill_s == 0.0
+    assert r0.draft_s >= 0 and r0.verify_s >= 0 and r0.wall_s >= r0.draft_s
+
+
+def test_a_rejection_emits_the_accepted_drafts_and_a_resampled_token():
+    """Drafts 1 5 3 after [0]: 1 accepted, 5 rejected (the target wants 2), 2 resampled; all 3 drafts were
+    judged, 1 accepted, [5, 3] rejected; expected tokens 1 + (1 + 1*0 + 1*0*1) = 2."""
+    recs, _ = rounds(Scripted(wrong_at=1), k=3, max_new=4)
+    r = recs[0]
+    assert [t.id for t in r.tokens] == [1, 2] and [t.kind for t in r.tokens] == ["accepted", "resampled"]
+    assert (r.draft_len, r.drafted, r.accepted, r.rejected) == (3, 3, 1, [5, 3])
+    assert r.expected_tokens == pytest.approx(2.0)
+    assert r.tokens[1].q == 0.0 and r.tokens[1].accept_prob is None and r.tokens[1].top_q[0] == (5, 1.0)
+    assert r.stop_reason is None
+    recs, _ = rounds(Scripted(wrong_at=0), k=3, max_new=4)
+    assert [(t.id, t.kind) for t in recs[0].tokens] == [(1, "resampled")] and recs[0].rejected == [4, 2, 3]
+    assert (recs[0].drafted, recs[0].accepted, recs[0].expected_tokens) == (3, 0, 1.0)
+
+
+def test_a_round_without_drafts_is_a_plain_target_step():
+    """K=0: one token per round, labelled "target", nothing drafted or proposed, no q."""
+    drafter = Scripted()
+    recs, state = rounds(drafter, k=0, max_new=3)
+    assert ids(recs) == [1, 2, 3] and drafter.ks == [] and state.verified == [[], [], []]
+    for r in recs:
+        assert (r.draft_len, r.drafted, r.accepted, r.draft_calls, r.expected_tokens) == (0, 0, 0, 0, 1.0)
+        (t,) = r.tokens
+        assert (t.kind, t.position, t.q, t.top_q, t.accept_prob) == ("target", 1, None, (), None)
+    assert [r.stop_reason for r in recs] == [None, None, "max_new_tokens"]
+
+
+# ---------------------------------------------------------------- stopping
+
+
+def test_eos_inside_the_accepted_drafts_ends_the_reply_and_uncounts_the_drafts_after_it():
+    """Drafts 1 2 3 all accepted, EOS = 2: the reply ends at 2; the draft 3 after it is neither drafted nor
+    accepted (2 judged, 2 accepted, expected 1 + 1 + 1)."""
+    recs, state = rounds(Scripted(), k=3, max_new=50, eos={2})
+    (r,) = recs
+    assert [t.id for t in r.tokens] == [1, 2] and state.tokens == [0, 1, 2]
+    assert (r.drafted, r.accepted, r.stop_reason, r.expected_tokens) == (2, 2, "eos", 3.0)
+    assert [t.kind for t in r.tokens] == ["accepted", "accepted"]
+    # drafts 1 2 6: 2 accepted, then rejected; EOS = 2 is the last accepted draft: 2 judged, not 3
+    (r,) = rounds(Scripted(wrong_at=2), k=3, max_new=50, eos={2})[0]
+    assert [t.id for t in r.tokens] == [1, 2] and (r.drafted, r.accepted, r.stop_reason) == (2, 2, "eos")
+
+
+def test_eos_as_the_resampled_token_keeps_every_draft_judged():
+    """Drafts 1 5 3, 5 rejected, 2 resampled and 2 is EOS: all 3 drafts were judged, 1 accepted."""
+    recs, _ = rounds(Scripted(wrong_at=1), k=3, max_new=50, eos={2})
+    (r,) = recs
+    assert [t.id for t in r.tokens] == [1, 2] and (r.drafted, r.accepted, r.stop_reason) == (3, 1, "eos")
+
+
+def test_eos_as_the_first_token_and_as_the_bonus():
+    """EOS = 1 as a plain step ends after one token; EOS = 4 as the bonus after 1 2 3 ends that round."""
+    recs, _ = rounds(Scripted(), k=0, max_new=50, eos={1})
+    assert ids(recs) == [1] and recs[0].stop_reason == "eos"
+    recs, _ = rounds(Scripted(), k=3, max_new=50, eos={4})
+    assert ids(recs) == [1, 2, 3, 4] and len(recs) == 1 and recs[0].stop_reason == "eos"
+    assert (recs[0].drafted, recs[0].accepted) == (3, 3)
+
+
+def test_the_context_window_limits_the_reply_and_names_itself():
+    """Context 6 with prompt [0]: at most 5 new tokens. Budget 50: the context stops it ("context"); budget 5
+    (the same limit): "max_new_tokens". K=9 is capped to 4 so the verify never passes the window."""
+    drafter = Scripted()
+    recs, state = rounds(drafter, k=9, max_new=50, context_len=6)
+    assert ids(recs) == [1, 2, 3, 4, 5] and len(state.tokens) == 6
+    assert drafter.ks == [4] and recs[-1].stop_reason == "context"
+    recs, _ = rounds(Scripted(), k=9, max_new=5, context_len=6)
+    assert ids(recs) == [1, 2, 3, 4, 5] and recs[-1].stop_reason == "max_new_tokens"
+    recs, _ = rounds(Scripted(), k=1, max_new=50, context_len=4, prompt=(0, 1))
+    assert ids(recs) == [2, 3] and [r.draft_len for r in recs] == [1] and recs[-1].stop_reason == "context"
+
+
+def test_a_full_block_past_the_budget_is_cut_to_it():
+    """K=4 with budget 3 after a 1-token first round would overshoot; the loop caps the draft to 1 and emits 2."""
+    drafter = Scripted()
+    recs, _ = rounds(drafter, k=0, max_new=1)
+    assert ids(recs) == [1]
+    recs, _ = rounds(drafter, k=4, max_new=3)
+    assert ids(recs) == [1, 2, 3] and [r.emitted for r in recs] == [3] and drafter.ks == [2]
+
+
+# ---------------------------------------------------------------- baseline rounds, callbacks, events
+
+
+def test_baseline_runs_one_plain_round_after_every_baseline_every_rounds():
+    """baseline_every=2: two rounds of the mode, one plain (K=0, the baseline drafter), and so on; the count
+    carries over between generations."""
+    off = Scripted("off")
+    controls = Controls(Scripted("mode"), k=1, sampling=GREEDY, baseline=off, baseline_every=2)
+    recs = list(generate(CounterState(), [0], controls, max_new_tokens=10, eos_ids=set()))
+    assert [r.mode for r in recs] == ["mode", "mode", "off", "mode", "mode", "off"]
+    assert [r.draft_len for r in recs] == [1, 1, 0, 1, 1, 0] and off.ks == []
+    assert [t.kind for t in recs[2].tokens] == ["target"] and controls.rounds_since_baseline == 0
+    recs = list(generate(CounterState(), [0], controls, max_new_tokens=2, eos_ids=set()))
+    assert controls.rounds_since_baseline == 1  # one mode round (2 tokens) counted
+    never = Controls(Scripted("mode"), k=1, sampling=GREEDY, baseline=off, baseline_every=0)
+    recs = list(generate(CounterState(), [0], never, max_new_tokens=8, eos_ids=set()))
+    assert {r.mode for r in recs} == {"mode"} and never.rounds_since_baseline == 0
+
+
+def test_on_probs_gets_each_rounds_tokens_p_and_q():
+    """on_probs sees the emitted ids, p [K+1, V] and q [K, V] (one-hot rows for a deterministic drafter)."""
+    seen = []
+    rounds(Scripted(wrong_at=1), k=3, max_new=4, on_probs=lambda new, p, q: seen.append((new, p.shape, q.clone())))
+    new, p_shape, q = seen[0]
+    assert new == [1, 2] and tuple(p_shape) == (4, V) and torch.equal(q, one_hot(torch.tensor([1, 5, 3]), V))
+
+
+def test_sampled_events_report_the_warped_and_the_raw_probabilities():
+    """At temperature 0.5 the event's p is softmax(logits / 0.5) and p_raw the model's own softmax(logits);
+    top_p / top_raw list 5 alternatives, most likely first."""
+    recs, _ = rounds(Scripted(), k=2, max_new=3, params=SamplingParams(0.5))
+    warped = torch.softmax(CounterState.logits_after(0) / 0.5, -1)
+    raw = torch.softmax(CounterState.logits_after(0), -1)
+    t = recs[0].tokens[0]
+    assert t.id == 1 and t.p == pytest.approx(float(warped[1])) and t.p_raw == pytest.approx(float(raw[1]))
+    assert len(t.top_p) == 5 and t.top_p[0] == (1, pytest.approx(float(warped[1])))
+    assert len(t.top_raw) == 5 and t.top_raw[0] == (1, pytest.approx(float(raw[1])))
+    assert t.accept_prob == pytest.approx(float(warped[1])) and t.text == ""
+
+
+def test_decode_names_each_token_and_one_hot_top_alternatives():
+    controls = Controls(Scripted(), k=1, sampling=GREEDY)
+    assert controls.mode == "scripted"
+    recs = list(generate(CounterState(), [0], controls, max_new_tokens=2, eos_ids=set(), decode=lambda i: f"<{i}>"))
+    assert [t.text for t in recs[0].tokens] == ["<1>", "<2>"]
+    assert torch.equal(one_hot(torch.tensor([2, 0]), 3), torch.tensor([[0.0, 0, 1], [1, 0, 0]]))
+    assert top_alternatives(torch.tensor([[0.1, 0.5, 0.4]])) == [((1, 0.5), (2, pytest.approx(0.4)), (0, pytest.approx(0.1)))]
+    assert len(top_alternatives(torch.full((2, 9), 1 / 9))[1]) == 5
