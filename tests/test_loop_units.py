@@ -7,13 +7,15 @@ is rejected and replaced by the chain's next token. No model runs; the whole fil
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 import torch
 
 from specchat.engine.drafters.base import Drafter, Proposal
-from specchat.engine.loop import AdaptiveK, Controls, generate, one_hot, top_alternatives
+from specchat.engine.acceptance import EXACT
+from specchat.engine.loop import AdaptiveK, Controls, clock, generate, one_hot, top_alternatives
 from specchat.engine.sampling import SamplingParams
 
 V = 8
@@ -68,7 +70,8 @@ def rounds(drafter, *, k=3, max_new=7, eos=(), context_len=None, prompt=(0,), pa
     controls = Controls(drafter, k=k, sampling=params, **extra)
     state = CounterState(context_len)
     gen = torch.Generator().manual_seed(0)
-    return list(generate(state, list(prompt), controls, max_new_tokens=max_new, eos_ids=set(eos), generator=gen)), state
+    # at most 100 rounds: a loop that never ends fails the test instead of hanging it
+    return list(itertools.islice(generate(state, list(prompt), controls, max_new_tokens=max_new, eos_ids=set(eos), generator=gen), 100)), state
 
 
 def ids(records):
@@ -268,3 +271,139 @@ def test_decode_names_each_token_and_one_hot_top_alternatives():
     assert torch.equal(one_hot(torch.tensor([2, 0]), 3), torch.tensor([[0.0, 0, 1], [1, 0, 0]]))
     assert top_alternatives(torch.tensor([[0.1, 0.5, 0.4]])) == [((1, 0.5), (2, pytest.approx(0.4)), (0, pytest.approx(0.1)))]
     assert len(top_alternatives(torch.full((2, 9), 1 / 9))[1]) == 5
+
+
+# ---------------------------------------------------------------- what the loop hands its parts
+
+
+class Recording(Scripted):
+    """Records what the loop hands a drafter: for_round's, propose's and observe's arguments."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.calls = []
+
+    def for_round(self, state, params):
+        self.calls.append(("for_round", state, params))
+        return self
+
+    def propose(self, state, k, params, generator):
+        self.calls.append(("propose", state, params, generator))
+        return super().propose(state, k, params, generator)
+
+    def observe(self, record):
+        self.calls.append(("observe", record))
+
+
+class RecordingRule:
+    """The exact rule, recording the generator and the greedy flag it is called with."""
+
+    def __init__(self, exact: bool) -> None:
+        self.exact, self.name, self.calls = exact, "recording", []
+
+    def __call__(self, draft_ids, q, p, generator, greedy):
+        self.calls.append((generator, greedy))
+        return EXACT(draft_ids, q, p, generator, greedy)
+
+
+def test_the_loop_hands_its_parts_the_state_the_sampling_and_the_runs_generator():
+    """auto chooses from (state, sampling) and learns from every record; a drafter samples with the run's
+    generator; the rule gets the generator and the greedy flag; the record says whether the rule was exact."""
+    for params in (SamplingParams(0.7), GREEDY):
+        drafter, rule = Recording(wrong_at=1), RecordingRule(exact=False)
+        state, gen = CounterState(), torch.Generator().manual_seed(0)
+        controls = Controls(drafter, k=2, sampling=params, rule=rule)
+        recs = list(generate(state, [0], controls, max_new_tokens=6, eos_ids=set(), generator=gen))
+        kinds = [c[0] for c in drafter.calls]
+        assert kinds[:3] == ["for_round", "propose", "observe"] and kinds.count("for_round") == len(recs)
+        for call in drafter.calls:
+            if call[0] == "for_round":
+                assert call[1] is state and call[2] is params
+            elif call[0] == "propose":
+                assert call[1] is state and call[2] is params and call[3] is gen
+        observed = [c[1] for c in drafter.calls if c[0] == "observe"]
+        assert len(observed) == len(recs) and all(a is b for a, b in zip(observed, recs))
+        assert rule.calls and all(g is gen and greedy is params.greedy for g, greedy in rule.calls)
+        assert {r.exact for r in recs} == {False}
+
+
+def test_a_sampled_reply_depends_only_on_the_runs_generator():
+    """The same seed gives the same reply whatever the global RNG holds, with drafts (residual draws) and
+    without (plain steps); another seed gives another reply. At T = 1.5 the counter's next token has p ~ 0.8."""
+
+    def reply(k: int, seed: int, global_seed: int) -> list[int]:
+        with torch.random.fork_rng():
+            torch.manual_seed(global_seed)
+            controls = Controls(Scripted(wrong_at=0), k=k, sampling=SamplingParams(1.5))
+            gen = torch.Generator().manual_seed(seed)
+            return ids(list(generate(CounterState(), [0], controls, max_new_tokens=30, eos_ids=set(), generator=gen)))
+
+    for k in (0, 2):
+        assert reply(k, 0, 1) == reply(k, 0, 2)
+        assert reply(k, 0, 1) != reply(k, 1, 1)
+
+
+class Soft(Scripted):
+    """Drafts the chain with q = 0.5 on each drafted token (a sampled drafter's proposal, not a one-hot)."""
+
+    def propose(self, state, k, params, generator):
+        drafted = super().propose(state, k, params, generator).ids  # [K]
+        q = torch.full((k, V), 0.5 / (V - 1))
+        q[torch.arange(k), drafted] = 0.5
+        return Proposal(drafted, q, 1)
+
+
+def test_a_drafters_own_q_is_what_the_rule_and_the_events_see():
+    """Greedy p is one-hot on the chain: each draft is accepted with min(1, 1 / 0.5) = 1, and the events and
+    on_probs report q = 0.5 (the drafter's), not the 1.0 of a deterministic drafter's one-hot."""
+    seen = []
+    recs, _ = rounds(Soft(), k=2, max_new=3, on_probs=lambda new, p, q: seen.append(q.clone()))
+    (r,) = recs
+    assert [(t.id, t.kind) for t in r.tokens] == [(1, "accepted"), (2, "accepted"), (3, "bonus")]
+    assert [t.q for t in r.tokens] == [0.5, 0.5, None] and [t.accept_prob for t in r.tokens[:2]] == [1.0, 1.0]
+    assert seen[0][0, 1] == 0.5 and seen[0][1, 2] == 0.5
+
+
+def test_no_room_for_a_token_means_no_round():
+    """A budget of 0, or a prompt that fills the context window: no round, nothing committed."""
+    recs, state = rounds(Scripted(), k=3, max_new=0)
+    assert recs == [] and state.tokens == [0]
+    recs, state = rounds(Scripted(), k=3, max_new=5, context_len=3, prompt=(0, 1, 2))
+    assert recs == [] and state.tokens == [0, 1, 2]
+
+
+def test_round_indices_count_up_and_times_are_durations_within_the_call():
+    """Rounds 0, 1, 2, ... (and their events say so); each time is a duration, never more than the whole call."""
+    t0 = time.perf_counter()
+    recs, _ = rounds(Scripted(wrong_at=1), k=3, max_new=9)
+    total = time.perf_counter() - t0
+    assert len(recs) >= 3 and [r.index for r in recs] == list(range(len(recs)))
+    assert all({t.round for t in r.tokens} == {r.index} for r in recs)
+    assert 0 < recs[0].prefill_s <= total
+    for r in recs:
+        assert 0 <= r.draft_s <= r.wall_s <= total and 0 <= r.verify_s <= r.wall_s
+
+
+def test_clock_waits_for_a_cuda_device_before_reading_the_time(monkeypatch):
+    """CUDA launches are asynchronous: the clock synchronises that device first; a CPU clock does not."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    cuda = torch.device("cuda", 0)
+    assert clock(cuda) <= time.perf_counter() and synced == [cuda]
+    clock(torch.device("cpu"))
+    assert synced == [cuda]
+
+
+class Greedy(Scripted):
+    """Proposes what it is asked the first time, then 5 drafts whatever K it is asked for."""
+
+    def propose(self, state, k, params, generator):
+        return super().propose(state, 5 if self.ks else k, params, generator)
+
+
+def test_a_drafter_that_proposes_more_than_asked_cannot_pass_the_budget():
+    """K=1, budget 4: round 0 emits 1 and the bonus 2; round 1 (asked for 1) drafts 3..7, all accepted, and would
+    emit 6 tokens: it is cut to the 2 left."""
+    recs, state = rounds(Greedy(), k=1, max_new=4)
+    assert [ids([r]) for r in recs] == [[1, 2], [3, 4]] and state.tokens == [0, 1, 2, 3, 4]
+    assert recs[-1].stop_reason == "max_new_tokens"

@@ -112,11 +112,9 @@ def generate(
             if controls.rounds_since_baseline > controls.baseline_every:  # after `baseline_every` rounds of the mode
                 drafter, want, controls.rounds_since_baseline = controls.baseline, 0, 0
         drafter.p_min = adaptive.p_min if adaptive else 0.0
-        # never draft past the token budget (the last token needs no draft) or verify past the context window
-        k = min(want, limit - produced - 1)
-        if state.context_len is not None:
-            k = min(k, state.context_len - len(state.tokens) - 1)
-        k = max(k, 0)
+        # never draft past the token budget (the last token needs no draft); the budget already keeps the verify
+        # inside the context window: state.tokens is the prompt and the `produced` tokens after it
+        k = max(min(want, limit - produced - 1), 0)
 
         t0 = clock(state.device)
         proposal = drafter.propose(state, k, params, generator) if k > 0 else Proposal.empty(state.device)
@@ -177,7 +175,7 @@ def generate(
             return
 
 
-def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy=False) -> list[TokenEvent]:
+def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy) -> list[TokenEvent]:
     """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
     k = q.shape[0]
     ids = torch.tensor(new, device=p.device)  # [E]
