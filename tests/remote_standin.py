@@ -95,6 +95,6 @@ def start() -> http.server.ThreadingHTTPServer:
     server.pause_s = 0.0  # between chunks (a test that presses keys mid-reply sets it)
     server.slots_speculative = True  # what /slots says
     server.engine = "llama-server"  # or "vllm": answer as the recorded vLLM
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     return server
