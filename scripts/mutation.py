@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -38,6 +39,27 @@ also_copy=
 """
 
 
+# tests/conftest.py runs code under test while pytest loads it (it builds and loads the fused kernel): with a
+# mutant active there, mutmut's forced-fail check fails inside conftest and every mutant goes unchecked. This
+# plugin runs the conftests unmutated; a mutant then reaches only the tests that call the code themselves.
+GUARD = """import os
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    saved = os.environ.get("MUTANT_UNDER_TEST")
+    os.environ["MUTANT_UNDER_TEST"] = ""  # no mutant matches: every trampoline runs the original
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MUTANT_UNDER_TEST", None)
+        else:
+            os.environ["MUTANT_UNDER_TEST"] = saved
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("source", help="the file to mutate, e.g. specchat/engine/remote.py")
@@ -50,10 +72,14 @@ def main() -> None:
     if config.exists():
         sys.exit(f"mutation: {config} exists; this script writes its own and removes it after")
     config.write_text(CONFIG.format(source=args.source, tests="\n".join(f"    {t}" for t in args.tests)))
+    guard = Path(tempfile.mkdtemp(prefix="mutation-guard-"))
+    (guard / "unmutated_conftest.py").write_text(GUARD)
     try:
         shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(guard), os.environ.get("PYTHONPATH")])),
+               "PYTEST_ADDOPTS": " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p unmutated_conftest"]))}
         run = subprocess.Popen([mutmut, "run", "--max-children", str(args.children)], cwd=ROOT, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             run.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -63,6 +89,7 @@ def main() -> None:
         results = subprocess.run([mutmut, "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True).stdout
     finally:
         config.unlink()
+        shutil.rmtree(guard, ignore_errors=True)
     status = {}
     for line in results.splitlines():
         name, _, state = line.strip().rpartition(": ")

@@ -1,0 +1,447 @@
+"""Mode `auto` at unit level: Rate's arithmetic, what is remembered and saved, each branch of the choice at its
+boundaries, and how a round is credited. No model runs: candidates are stand-ins, rates are set by hand, and every
+expected number is worked out in the comments. (Written for the mutation score of drafters/auto.py.)"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from specchat.engine.drafters.auto import AutoDrafter, Rate, setting_key
+from specchat.engine.drafters.base import Drafter
+from specchat.engine.drafters.plain import PlainDecoding
+from specchat.engine.errors import ModeUnavailable
+from specchat.engine.sampling import SamplingParams
+
+DAY = 86400.0
+T1 = SamplingParams(1.0)
+T1_KEY = "T=1 top_k=0 top_p=1"
+
+
+class Named(Drafter):
+    def __init__(self, name: str, max_draft: int | None = None) -> None:
+        self.name, self.resets = name, 0
+        if max_draft is not None:
+            self.max_draft = max_draft
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+class Suffix(Named):
+    """A suffix drafter whose match length is scripted."""
+
+    def __init__(self, length: int = 0) -> None:
+        super().__init__("suffix")
+        self.length = length
+
+    def match_length(self, tokens) -> int:
+        return self.length
+
+
+class Memory:
+    def __init__(self, rates=None) -> None:
+        self.rates, self.saved = rates if rates is not None else {}, []
+
+    def load(self) -> dict:
+        return self.rates
+
+    def save(self, rates: dict) -> None:
+        self.saved.append(rates)
+
+
+def auto_with(*modes, suffix: Suffix | None = None, memory=None) -> AutoDrafter:
+    candidates = {"off": PlainDecoding(), **{m: Named(m) for m in modes}}
+    if suffix is not None:
+        candidates["suffix"] = suffix
+    return AutoDrafter(candidates, memory)
+
+
+def rate(per_s: float, rounds: int = 6, last: int = 0, wait: int = 16, **kw) -> Rate:
+    """A rate of `per_s` tokens per second (tokens = per_s, seconds = 1: per_s exactly)."""
+    return Rate(per_s, 1.0, rounds=rounds, last=last, wait=wait, **kw)
+
+
+def record(mode, *, drafted=2, index=5, tokens=(0, 0), expected=2.0, stop=None, draft_s=0.25, verify_s=0.75):
+    return SimpleNamespace(mode=mode, drafted=drafted, index=index, tokens=list(tokens), expected_tokens=expected,
+                           stop_reason=stop, draft_s=draft_s, verify_s=verify_s)
+
+
+# ---------------------------------------------------------------- Rate
+
+
+def test_rate_add_is_a_plain_mean_over_the_first_sixteen_rounds_then_weighs_one_sixteenth():
+    r = Rate()
+    before = time.time()
+    r.add(2.0, 0.5, at=7)
+    assert (r.tokens, r.seconds, r.rounds, r.live, r.last) == (2.0, 0.5, 1, 1, 7)
+    assert before <= r.measured_at <= time.time()
+    r.add(4.0, 1.5, at=9)
+    assert (r.tokens, r.seconds, r.rounds, r.live, r.last) == (3.0, 1.0, 2, 2, 9)
+    r = Rate()
+    for i in range(1, 17):
+        r.add(float(i), 1.0, at=i)
+    assert r.tokens == pytest.approx(8.5) and r.rounds == 16  # the mean of 1..16
+    r.add(25.0, 1.0, at=17)
+    assert r.tokens == pytest.approx(8.5 + (25.0 - 8.5) / 16) and r.seconds == pytest.approx(1.0)
+
+
+def test_rate_per_second_and_its_upper_bound():
+    assert Rate().per_s == 0.0 and Rate(3.0, 0.0).per_s == 0.0  # nothing measured: no rate, no division by zero
+    assert Rate(3.0, 1.5).per_s == 2.0
+    assert Rate(2.0, 1.0).upper == pytest.approx(3.0)  # no rounds: as one, 2 * (1 + 0.5)
+    assert Rate(2.0, 1.0, rounds=4).upper == pytest.approx(2.5)  # 2 * (1 + 0.5 / 2)
+    # a remembered rate: all of its rounds, earlier and this session's, narrow the bound: 9 + 7 = 16
+    assert Rate(2.0, 1.0, rounds=3, earlier=9, live=7).upper == pytest.approx(2.25)
+    assert Rate(2.0, 1.0, rounds=25, earlier=9, live=7).upper == pytest.approx(2.2)  # 2 * (1 + 0.5 / 5)
+
+
+def test_a_rate_is_saved_with_all_its_rounds_and_its_time():
+    r = Rate(2.0, 0.5, rounds=3, earlier=40, live=2, measured_at=1234.5)
+    assert r.saved() == {"tokens": 2.0, "seconds": 0.5, "rounds": 42, "at": 1234.5}
+
+
+def test_a_remembered_rate_weighs_at_most_three_rounds_halved_per_week():
+    now = 1_000_000_000.0
+    fresh = Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": now}, now)
+    assert (fresh.tokens, fresh.seconds, fresh.rounds, fresh.earlier, fresh.measured_at, fresh.wait, fresh.live) == (
+        4.0, 2.0, 3, 50, now, 8, 0)
+    assert fresh.last == 0
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 2, "at": now}, now).rounds == 2  # min(3, 2)
+    # half a week: 3 * 2 ** -0.5 = 2.12 -> 2; a week: 1.5 -> 2 (rounded half up); 1.2 weeks: 1.31 -> 1
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": now - 3.5 * DAY}, now).rounds == 2
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": now - 7 * DAY}, now).rounds == 2
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": now - 8.4 * DAY}, now).rounds == 1
+    # weight exactly 1 (one round, fresh) is kept; a little under one is forgotten
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 1, "at": now}, now).rounds == 1
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 1, "at": now - 60}, now) is None
+    # a time in the future (another machine's clock): not weighted up
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": now + 30 * DAY}, now).rounds == 3
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 1, "at": now + 30 * DAY}, now).rounds == 1
+
+
+@pytest.mark.parametrize("entry", [
+    {"tokens": 0, "seconds": 2, "rounds": 50},
+    {"tokens": -1, "seconds": 2, "rounds": 50},
+    {"tokens": 4, "seconds": 0, "rounds": 50},
+    {"tokens": 4, "seconds": -2, "rounds": 50},
+    {"tokens": 4, "seconds": 2, "rounds": 0},
+    {"tokens": 4, "seconds": 2},  # KeyError
+    {"tokens": None, "seconds": 2, "rounds": 50},  # TypeError
+    {"tokens": "fast", "seconds": 2, "rounds": 50},  # ValueError
+    {"tokens": 4, "seconds": 2, "rounds": "many"},
+])
+def test_an_unusable_remembered_rate_is_dropped(entry):
+    now = 1_000_000_000.0
+    assert Rate.remembered({"at": now, **entry}, now) is None
+
+
+def test_a_remembered_rate_needs_its_time():
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50}, 0.0) is None
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": "today"}, 0.0) is None
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": 5.0}, 5.0).rounds == 3
+
+
+def test_setting_key():
+    assert setting_key(None) == "greedy" and setting_key(SamplingParams(0)) == "greedy"
+    assert setting_key(SamplingParams(0.7, top_k=5, top_p=0.9)) == "T=0.7 top_k=5 top_p=0.9"
+    assert setting_key(T1) == T1_KEY
+
+
+# ---------------------------------------------------------------- building and the initial state
+
+
+def test_build_tries_every_candidate_in_order_with_the_options_and_skips_the_unavailable():
+    calls = []
+
+    def build_candidate(mode, target, draft, **options):
+        calls.append((mode, target, draft, options))
+        if mode in ("head", "draft"):
+            raise ModeUnavailable(f"no {mode}")
+        return Named(mode)
+
+    memory = Memory()
+    auto = AutoDrafter.build("T", "D", build_candidate=build_candidate, memory=memory, k=3, quant_backend="ao")
+    assert [c[0] for c in calls] == ["off", "suffix", "head", "quant", "draft"]
+    assert all(c[1:3] == ("T", "D") for c in calls)
+    assert calls[0][3] == {"k": 3, "quant_backend": "ao"}
+    assert calls[3][3] == {"k": 3, "quant_backend": "int8"}  # quant only in its int8 form
+    assert list(auto.candidates) == ["off", "suffix", "quant"] and auto.memory is memory
+    with pytest.raises(ValueError, match="^auto needs plain decoding among its candidates$"):
+        AutoDrafter({"head": Named("head")})
+
+
+def test_the_initial_state():
+    auto = auto_with("head", suffix=Suffix())
+    assert auto.arm_mode == {"off": "off", "head": "head", "suffix≥6": "suffix", "suffix3-5": "suffix", "suffix2": "suffix"}
+    assert (auto.rounds, auto.arm, auto.choice, auto.ran, auto.caught_up) == (0, "off", "off", None, None)
+    assert auto.why == "measuring every mode first" and auto.memory is None and auto.known == {}
+    assert list(auto.tables) == ["greedy"] and auto.rates is auto.tables["greedy"]
+    assert set(auto.rates) == set(auto.arm_mode) and all(r == Rate() for r in auto.rates.values())
+    assert auto_with("head").arm_mode == {"off": "off", "head": "head"}
+
+
+def test_reset_resets_every_candidate_and_keeps_the_rates():
+    auto = auto_with("head", "draft")
+    auto.ran = "head"
+    auto.rates["head"] = rate(50.0)
+    auto.reset()
+    assert [c.resets for m, c in auto.candidates.items() if m != "off"] == [1, 1] and auto.ran is None
+    assert auto.rates["head"].per_s == 50.0
+
+
+def test_max_draft_is_the_chosen_candidates():
+    auto = AutoDrafter({"off": PlainDecoding(), "head": Named("head", max_draft=5)})
+    assert auto.max_draft is None
+    auto.choice = "head"
+    assert auto.max_draft == 5
+
+
+# ---------------------------------------------------------------- remembering
+
+
+def test_the_table_of_a_setting_starts_from_what_is_remembered_for_it():
+    now = time.time()
+    good = {"tokens": 3.0, "seconds": 1.0, "rounds": 30, "at": now}
+    memory = Memory({T1_KEY: {"head": good, "off": "fast", "lookup": good, "draft": {**good, "at": now - 100 * DAY}},
+                     "greedy": ["not", "a", "table"]})
+    auto = auto_with("head", "draft", memory=memory)
+    assert auto.known is memory.rates
+    table = auto._table(T1)
+    assert auto._table(T1) is table  # made once per setting
+    assert table["head"].per_s == 3.0 and table["head"].earlier == 30 and table["head"].wait == 8
+    assert table["off"] == Rate() and table["draft"] == Rate()  # not a table / too old: measured afresh
+    assert set(table) == {"off", "head", "draft"}  # an arm that is not a candidate is not loaded
+    assert all(r == Rate() for r in auto._table(None).values())
+
+
+def test_save_merges_this_sessions_rates_into_what_was_remembered():
+    old = {"tokens": 1.0, "seconds": 1.0, "rounds": 9, "at": 5.0}
+    memory = Memory({T1_KEY: {"off": old, "lookup": old}, "T=0.5 top_k=0 top_p=1": {"head": old}, "greedy": 7})
+    auto = auto_with("head", memory=memory)
+    table = auto._table(T1)
+    table["head"] = Rate(2.0, 0.5, rounds=1, live=1, measured_at=10.0)  # measured now
+    table["off"] = Rate(9.0, 9.0, rounds=3, earlier=9, live=0)  # only remembered: not re-saved
+    auto.save()
+    assert memory.saved == [{T1_KEY: {"off": old, "lookup": old, "head": {"tokens": 2.0, "seconds": 0.5, "rounds": 1, "at": 10.0}},
+                             "T=0.5 top_k=0 top_p=1": {"head": old}, "greedy": {}}]
+    assert memory.rates[T1_KEY] == {"off": old, "lookup": old}  # what was loaded is not changed in place
+    auto_with("head").save()  # no memory: nothing to do
+
+
+def test_learnt_from_counts_the_current_settings_rounds():
+    auto = auto_with("head", "draft")
+    auto.rates["off"] = Rate(1.0, 1.0, earlier=100, live=3)
+    auto.rates["head"] = Rate(1.0, 1.0, earlier=20, live=4)
+    assert auto.learnt_from == (120, 7)
+
+
+# ---------------------------------------------------------------- the suffix arms
+
+
+@pytest.mark.parametrize("length, arm", [(0, None), (1, "suffix2"), (2, "suffix2"), (3, "suffix3-5"), (5, "suffix3-5"),
+                                         (6, "suffix≥6"), (40, "suffix≥6")])
+def test_the_suffix_arm_is_chosen_by_the_length_of_its_match(length, arm):
+    assert auto_with("head", suffix=Suffix(length)).match_arm([1, 2, 3]) == arm
+
+
+def test_without_a_suffix_drafter_there_is_no_suffix_arm():
+    assert auto_with("head").match_arm([1, 2, 1, 2]) is None
+
+
+# ---------------------------------------------------------------- choose, branch by branch
+
+
+def settled(auto, **per_s):
+    """Every arm measured WARMUP (6) rounds, at round 0, at these rates; the session at round 10."""
+    for arm, value in per_s.items():
+        auto.rates[arm] = rate(value)
+    auto.rounds = 10
+    return auto
+
+
+def test_each_eligible_arm_is_measured_min_rounds_times_first():
+    auto = auto_with("head", "draft")
+    assert auto.choose([1]) == ("off", "measuring every mode first")
+    auto.rates["off"] = rate(100.0, rounds=1)
+    assert auto.choose([1])[0] == "off"
+    auto.rates["off"] = rate(100.0, rounds=2)
+    assert auto.choose([1]) == ("head", "measuring every mode first")
+    auto.rates["head"] = rate(50.0, rounds=2)
+    assert auto.choose([1]) == ("draft", "measuring every mode first")
+
+
+def test_an_unmatched_suffix_arm_is_not_eligible_and_a_matched_one_is():
+    suffix = Suffix(0)
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=200.0)
+    assert auto.choose([1]) == ("head", "head 200 tok/s vs off 100")  # the suffix arms have no rounds, yet wait
+    suffix.length = 4
+    assert auto.choose([1]) == ("suffix3-5", "measuring every mode first")
+    auto.rates["suffix3-5"] = rate(300.0)
+    assert auto.choose([1]) == ("suffix3-5", "suffix3-5 300 tok/s vs off 100, head 200")
+
+
+def test_the_fastest_wins_and_plain_decoding_wins_a_tie():
+    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0, draft=150.0)
+    assert auto.choose([1]) == ("head", "head 200 tok/s vs off 100, draft 150")
+    auto = settled(auto_with("head", "draft"), off=100.0, head=100.0, draft=50.0)
+    auto.arm = "draft"
+    assert auto.choose([1])[0] == "off"
+    auto = settled(auto_with("head", "draft"), off=100.0, head=100.0, draft=50.0)
+    auto.arm = "head"  # the incumbent within 5%: kept
+    assert auto.choose([1])[0] == "head"
+
+
+def test_the_leader_is_watched_closely_again():
+    auto = settled(auto_with("head"), off=100.0, head=200.0)
+    auto.rates["head"].wait = 64
+    auto.choose([1])
+    assert auto.rates["head"].wait == 16 and auto.rates["off"].wait == 16
+
+
+def test_an_arm_that_only_caught_up_runs_again_for_its_counted_round():
+    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0, draft=150.0)
+    auto.caught_up = "draft"
+    assert auto.choose([1]) == ("draft", "re-measuring draft")
+    auto.caught_up = "head"  # the leader anyway
+    assert auto.choose([1])[0] == "head" and not auto.why.startswith("re-measuring")
+    auto = settled(auto_with("head", suffix=Suffix(0)), off=100.0, head=200.0, suffix2=500.0)
+    auto.caught_up = "suffix2"  # no match now: not eligible
+    assert auto.choose([1]) == ("head", "head 200 tok/s vs off 100")
+
+
+def test_a_challenger_is_measured_while_its_upper_bound_is_above_the_leaders_rate():
+    # head leads at 200; draft at 180 over 5 rounds may reach 180 * (1 + 0.5 / sqrt 5) = 220
+    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0)
+    auto.rates["draft"] = rate(180.0, rounds=5)
+    assert auto.choose([1]) == ("draft", "measuring draft: it may beat head")
+    auto.rates["draft"] = rate(180.0, rounds=6)  # WARMUP rounds: settled
+    assert auto.choose([1])[0] == "head"
+    auto.rates["draft"] = rate(150.0, rounds=5)  # at most 183.5: cannot win
+    assert auto.choose([1])[0] == "head"
+    auto.rates["draft"] = rate(160.0, rounds=4)  # at most 160 * 1.25 = 200: only equals the leader
+    assert auto.choose([1])[0] == "head"
+    auto.rates["draft"] = rate(161.0, rounds=4)
+    assert auto.choose([1])[0] == "draft"
+
+
+def test_a_losing_arm_is_re_measured_after_its_wait_which_doubles_up_to_64():
+    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0, draft=150.0)
+    auto.rounds = 40
+    for arm in auto.rates.values():
+        arm.last = 30
+    auto.rates["draft"].last = 24  # 40 - 24 = 16: not over its wait of 16
+    assert auto.choose([1])[0] == "head"
+    auto.rates["draft"].last = 23  # 17 rounds
+    assert auto.choose([1]) == ("draft", "re-measuring draft") and auto.rates["draft"].wait == 32
+    auto.rates["draft"].wait = 40
+    auto.rates["draft"].last, auto.rounds = 0, 41
+    assert auto.choose([1])[0] == "draft" and auto.rates["draft"].wait == 64  # 80 capped
+    auto.rates["off"].last, auto.rounds = 199, 200
+    assert auto.choose([1])[0] == "draft" and auto.rates["draft"].wait == 64  # not beyond
+
+
+def test_the_incumbent_stays_unless_another_is_more_than_five_percent_faster():
+    auto = settled(auto_with("head", "draft"), off=20.0, head=20.0 * 1.05, draft=10.0)
+    auto.arm = "off"
+    assert auto.choose([1])[0] == "off"  # exactly 5% faster: not enough
+    auto.rates["head"] = rate(21.01)
+    assert auto.choose([1])[0] == "head"
+    auto = settled(auto_with("head", suffix=Suffix(0)), off=100.0, head=104.0, suffix2=1000.0)
+    auto.arm = "suffix2"  # the incumbent has no match now: not kept
+    assert auto.choose([1]) == ("head", "head 104 tok/s vs off 100")
+
+
+def test_the_explanation_names_where_the_figures_come_from():
+    auto = settled(auto_with("head"), off=100.0, head=200.0)
+    auto.rates["off"].earlier, auto.rates["head"].earlier, auto.rates["head"].live = 1200, 34, 5
+    assert auto.explain("head", ["off", "head"]) == "learnt over 1,234 rounds earlier + 5 now: head 200 tok/s vs off 100"
+    assert auto.explain("head", ["head"]) == "learnt over 1,234 rounds earlier + 5 now: head 200 tok/s"
+    auto.rates["off"].earlier = auto.rates["head"].earlier = 0
+    auto.rates["head"].live = 2000
+    assert auto.explain("off", ["off", "head"]) == "off 100 tok/s vs head 200"
+
+
+def test_for_round_counts_rounds_and_uses_the_settings_table():
+    auto = auto_with("head")
+    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2]), T1)
+    assert drafter is auto.candidates["off"] and auto.rounds == 1 and auto.rates is auto.tables[T1_KEY]
+    auto.rates["off"] = rate(100.0, rounds=2)
+    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2]), T1)
+    assert drafter is auto.candidates["head"] and (auto.arm, auto.choice, auto.rounds) == ("head", "head", 2)
+    assert auto.why == "measuring every mode first"
+    suffix = Suffix(7)
+    auto = auto_with(suffix=suffix)
+    auto.rates = auto._table(T1)
+    auto._table(T1)["off"] = rate(100.0)
+    assert auto.for_round(SimpleNamespace(tokens=[1]), T1) is suffix and (auto.arm, auto.choice) == ("suffix≥6", "suffix")
+
+
+# ---------------------------------------------------------------- observe
+
+
+def test_a_round_is_credited_to_the_arm_that_ran_it():
+    auto = auto_with("head", suffix=Suffix(3))
+    auto.rounds, auto.arm, auto.ran = 12, "suffix3-5", "suffix"
+    auto.observe(record("suffix", expected=2.5, draft_s=0.25, verify_s=0.75))
+    r = auto.rates["suffix3-5"]
+    assert (r.rounds, r.tokens, r.seconds, r.last) == (1, 2.5, 1.0, 12)  # seconds: draft + verify
+    assert auto.caught_up is None and auto.ran == "suffix"
+    auto.observe(record("off", drafted=0, tokens=[0], expected=1.0))  # another mode ran: credited to it
+    assert auto.rates["off"].rounds == 1 and auto.rates["suffix3-5"].rounds == 1
+    auto.observe(record("lookup"))  # not an arm here: ignored
+    assert sum(r.rounds for r in auto.rates.values()) == 2
+
+
+def test_a_cached_drafters_first_round_after_another_mode_only_catches_up():
+    auto = auto_with("head", "draft", "quant")
+    auto.arm = "draft"
+    auto.observe(record("draft"))
+    assert auto.rates["draft"].rounds == 0 and auto.caught_up == "draft" and auto.ran == "draft"
+    auto.observe(record("draft"))
+    assert auto.rates["draft"].rounds == 1 and auto.caught_up is None
+    auto.arm = "quant"
+    auto.observe(record("quant"))
+    assert auto.rates["quant"].rounds == 0 and auto.caught_up == "quant"
+    auto.arm = "off"
+    auto.observe(record("off", drafted=0))
+    auto.observe(record("off", drafted=0))  # plain decoding has no cache: counted at once, both times
+    assert auto.rates["off"].rounds == 2 and auto.caught_up is None and auto.ran == "off"
+
+
+def test_only_round_zero_without_drafts_is_skipped():
+    auto = auto_with("head")
+    auto.observe(record("off", drafted=0, index=0))  # the prefill's token: no step to time
+    assert auto.rates["off"].rounds == 0
+    auto.observe(record("off", drafted=0, index=1))
+    auto.observe(record("off", drafted=1, index=0))
+    assert auto.rates["off"].rounds == 2
+
+
+def test_a_cut_round_counts_the_tokens_it_emitted():
+    auto = auto_with("head")
+    auto.ran = auto.arm = "head"
+    auto.observe(record("head", tokens=[1], expected=3.0, stop="eos", draft_s=0.0, verify_s=1.0))
+    assert auto.rates["head"].tokens == 1.0
+    auto.observe(record("head", tokens=[1], expected=3.0, stop=None, draft_s=0.0, verify_s=1.0))
+    assert auto.rates["head"].tokens == 2.0  # (1 + 3) / 2
+
+
+def test_a_tie_goes_to_plain_decoding_wherever_it_stands_among_the_candidates():
+    auto = AutoDrafter({"head": Named("head"), "off": PlainDecoding(), "draft": Named("draft")})
+    settled(auto, head=100.0, off=100.0, draft=50.0)
+    auto.arm = "draft"
+    assert list(auto.arm_mode)[0] == "head" and auto.choose([1])[0] == "off"
+
+
+def test_a_three_round_rate_is_forgotten_log2_3_half_lives_after_it_was_measured():
+    """3 * 0.5 ** (age / 7 days) falls below one round at age = 7 days * log2(3) (a day of 86400 s)."""
+    import math
+
+    now = 1_000_000_000.0
+    limit = 7 * 86400 * math.log2(3)
+    entry = {"tokens": 4, "seconds": 2, "rounds": 3}
+    assert Rate.remembered({**entry, "at": now - limit + 10}, now).rounds == 1
+    assert Rate.remembered({**entry, "at": now - limit - 10}, now) is None
