@@ -83,7 +83,11 @@ class _LayerView:
 
 
 def new_cache(model) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """A cache laid out by the config. Sliding-window layers record what falls out of the window: a rejected
+    draft past the window is rolled back by a crop, which they refuse otherwise."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
 
 
 def crop_to(cache, length: int) -> None:
