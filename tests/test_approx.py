@@ -97,3 +97,37 @@ def test_verify_reports_an_approximate_rule_as_lossy(tiny_dir, tmp_path):
     assert report["verdict"] == "approximate" and report["exact"] is False and report["accept"] == "approx:0.1"
     assert report["tokens"] == 4 and report["max_drafted"] == 3  # K+1 tokens tested, draft position K used
     assert report["p_value"] < 1e-6, report["p_value"]
+
+
+def test_parse_rule_says_what_is_wrong():
+    with pytest.raises(ValueError, match=r"^approx:<lambda> needs a number, got 'approx:x'$"):
+        parse_rule("approx:x")
+    with pytest.raises(ValueError, match=r"^unknown acceptance rule 'typical'; use 'exact' or 'approx:<lambda>'"):
+        parse_rule("typical")
+
+
+def test_the_lenient_rule_by_hand_and_only_from_the_runs_generator():
+    """min(1, p(x) / (lambda q(x))) per draft, never above 1; the resample is from max(0, p - lambda q): with
+    p = [0, .55, .45], q = [.5, .5, 0] and lambda = .5 the residual is [0, .30, .45], whose argmax is token 2 (p's
+    is token 1). A seeded run repeats whatever the global generator holds."""
+    rule = LenientRule(0.5)
+    p = torch.tensor([[0.0, 0.55, 0.45], [0.2, 0.2, 0.6]])  # [K+1, V], K = 1
+    q = torch.tensor([[0.5, 0.5, 0.0]])  # [K, V]
+    v = rule(torch.tensor([0]), q, p, torch.Generator().manual_seed(0), True)  # p(0) = 0: always rejected
+    assert (v.accepted, v.next_token) == (0, 2) and v.accept_probs.tolist() == [0.0]
+    v = rule(torch.tensor([1]), q, p, torch.Generator().manual_seed(0), True)  # .55 / .25 > 1: always accepted
+    assert v.accepted == 1 and v.accept_probs.tolist() == [1.0] and v.next_token == 2  # the bonus: argmax p[1]
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 50, generator=g), -1)
+    q = torch.softmax(torch.randn(4, 50, generator=g), -1)
+    draft = torch.multinomial(q, 1, generator=g).squeeze(-1)
+    px, qx = p[torch.arange(4), draft], q[torch.arange(4), draft]
+    v = LenientRule(0.3)(draft, q, p, g, False)
+    assert torch.allclose(v.accept_probs, torch.clamp(px / (0.3 * qx), max=1.0)) and bool((v.accept_probs <= 1).all())
+    runs = []
+    for global_seed in (1, 2):
+        with torch.random.fork_rng():
+            torch.manual_seed(global_seed)
+            run = torch.Generator().manual_seed(7)
+            runs.append([(v.accepted, v.next_token) for v in (LenientRule(0.3)(draft, q, p, run, False) for _ in range(30))])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
