@@ -74,6 +74,11 @@ def test_no_match_crosses_a_boundary_between_references():
     assert drafts(split, [0, 2, 3]) == [] and split.match_length([0, 2, 3]) == 0
     ends = SuffixDrafter(references=[[5, 1, 2]])  # the match ends its sequence: nothing follows it
     assert ends.match_length([9, 1, 2]) == 2 and drafts(ends, [9, 1, 2]) == []
+    # an empty reference first: its separator must be no token id either (a separator 1 would match the context's
+    # last token 1 and propose the next reference's start)
+    empty_first = SuffixDrafter(references=[[], [5, 6, 7]], min_match=1)
+    assert drafts(empty_first, [0, 1]) == [] and empty_first.match_length([0, 1]) == 0
+    assert drafts(empty_first, [0, 5])[:1] == [6]  # the control: a real match
 
 
 def test_the_corpus_keeps_the_most_recent_tokens():
