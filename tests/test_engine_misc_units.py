@@ -90,7 +90,9 @@ def test_any_stream_joins_to_the_whole_decode_and_decodes_only_a_short_window():
 @pytest.mark.parametrize("kwargs", [{}, {"temperature": 0}, {"temperature": 2.5, "top_k": 1, "top_p": 1e-6},
                                     {"top_k": 0, "top_p": 1}])
 def test_valid_sampling_settings(kwargs):
-    SamplingParams(**kwargs)
+    """The edges of each range are accepted and kept as given."""
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, name) == value for name, value in kwargs.items())
 
 
 @pytest.mark.parametrize("kwargs, message", [
