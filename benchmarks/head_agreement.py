@@ -31,6 +31,7 @@ from specchat.engine.drafters.plain import PlainDecoding  # noqa: E402
 from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import rms_norm  # noqa: E402
 from specchat.engine.sampling import SamplingParams
+from specchat.engine.smallbatch import linear  # noqa: E402
 from specchat.engine.target import TargetState  # noqa: E402
 from specchat.models import load_model  # noqa: E402
 
@@ -56,7 +57,7 @@ def head_drafts(drafter: HeadDrafter, state: TargetState, tokens: list[int], fea
     over the reply does what the drafter does a position at a time with its cache)."""
     lean, n = state.lean, features.shape[0]
     hidden = drafter.head(features[None], lean.embed(tokens[1 : n + 1]), None, 0, *lean.rope(0, n))  # [1, S-1, D]
-    logits = torch.nn.functional.linear(rms_norm(hidden, drafter.norm_w, drafter.norm_eps), drafter.head_w)[0]  # [S-1, N]
+    logits = linear(rms_norm(hidden, drafter.norm_w, drafter.norm_eps), drafter.head_w)[0]  # [S-1, N]: as the drafter multiplies
     return drafter.vocab[logits.argmax(-1)]
 
 
