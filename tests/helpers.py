@@ -18,10 +18,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from specchat.engine.acceptance import ExactRule, Verdict, draft_token_probs, draw_next, first_rejection
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter, ModeUnavailable
+from specchat.engine.drafters.head import DraftHead, head_spec
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.engine.llamacpp import target_state
 from specchat.engine.loop import Controls, generate
+from specchat.engine.runner import lean_runner
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.sampling import logits_to_probs
 from specchat.session import Session
@@ -63,6 +65,26 @@ def tiny_llama(seed: int, layers: int = 1, vocab: int = TINY_VOCAB, sharpen: flo
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
     return model
+
+
+HEAD_LEFT_OUT = [2, 7]  # tokens a random head cannot draft (the target can still emit them)
+
+
+def random_head(target, seed: int = 5, left_out=HEAD_LEFT_OUT, norm_std: float | None = None) -> DraftHead:
+    """An untrained head with peaked, arbitrary distributions over all tokens but `left_out`; with `norm_std` its
+    1-D parameters (norm weights, biases) are drawn from N(1, norm_std) too, else they keep their initial values."""
+    runner = lean_runner(target)
+    vocab = [t for t in range(runner.vocab_size) if t not in left_out]
+    head = DraftHead(head_spec(runner, target.config), len(vocab))
+    head.vocab.copy_(torch.tensor(vocab))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+            elif norm_std is not None:
+                p.normal_(1, norm_std)
+    return head.requires_grad_(False)
 
 
 SPECIALS = ["<unk>", "<eos>", "<user>", "<assistant>", "<system>"]

@@ -12,7 +12,7 @@ from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
-from test_head import random_head
+from helpers import random_head
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

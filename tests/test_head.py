@@ -15,11 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, run, sample_and_fit, tiny_llama, tiny_model_dir
+from helpers import HEAD_LEFT_OUT, ALPHA, PROMPT, SAMPLING_CASES, ReportsWrongQ, assert_drafted_up_to, run, sample_and_fit, random_head, tiny_llama, tiny_model_dir
 from specchat.cli.main import main
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.earlyexit import EarlyExitDrafter
-from specchat.engine.drafters.head import DraftHead, HeadDrafter, fingerprint, head_spec, load_head
+from specchat.engine.drafters.head import HeadDrafter, fingerprint, load_head
 from specchat.engine.drafters.lookup import LookupDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.loop import Controls, generate
@@ -28,21 +28,7 @@ from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features, training_seconds
 
-LEFT_OUT = [2, 7]  # tokens the tiny head cannot draft (the target can still emit them)
-
-
-def random_head(target, seed: int = 5) -> DraftHead:
-    """An untrained head with peaked, arbitrary distributions over all tokens but LEFT_OUT."""
-    runner = lean_runner(target)
-    vocab = [t for t in range(runner.vocab_size) if t not in LEFT_OUT]
-    head = DraftHead(head_spec(runner, target.config), len(vocab))
-    head.vocab.copy_(torch.tensor(vocab))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
-    return head.requires_grad_(False)
+LEFT_OUT = HEAD_LEFT_OUT
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import tiny_llama
+import helpers
+from helpers import HEAD_LEFT_OUT, tiny_llama
 from specchat.engine.cache import KVCache
 from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.head import FORMAT, DraftHead, HeadDrafter, fingerprint, head_spec, load_head, read_meta
@@ -21,19 +22,12 @@ from specchat.engine.smallbatch import draft_weights
 from specchat.engine.target import TargetState
 from specchat.train.head import save_head
 
-LEFT_OUT = [2, 7]  # tokens the head cannot draft
+LEFT_OUT = HEAD_LEFT_OUT
 
 
-def random_head(target, seed: int = 5, left_out=LEFT_OUT) -> DraftHead:
-    runner = lean_runner(target)
-    vocab = [t for t in range(runner.vocab_size) if t not in left_out]
-    head = DraftHead(head_spec(runner, target.config), len(vocab))
-    head.vocab.copy_(torch.tensor(vocab))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.5) if p.dim() == 2 else p.normal_(1, 0.2)
-    return head.requires_grad_(False)
+def random_head(target, seed: int = 5) -> DraftHead:
+    """helpers.random_head with its norms and biases drawn too, so a dropped norm or bias shows."""
+    return helpers.random_head(target, seed, norm_std=0.2)
 
 
 @pytest.fixture(scope="module")
