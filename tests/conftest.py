@@ -71,3 +71,23 @@ def smol():
     from specchat.models import load_model
 
     return load_model(None, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smol_greedy(smol):
+    """hf_greedy(ids, n): HF generate's greedy reply (up to n tokens, EOS included) to `ids` on the default model,
+    the reference of every mode's greedy-identity test. Computed once per prompt and process, at least 40 tokens
+    (the most those tests ask but one): a greedy reply of n tokens is the first n of a longer one, and the modes
+    share two prompts, so each test no longer pays ~2-3 s for the same reference."""
+    replies: dict[tuple[int, ...], list[int]] = {}
+    longest: dict[tuple[int, ...], int] = {}
+
+    def hf_greedy(ids: list[int], n: int) -> list[int]:
+        key = tuple(ids)
+        if longest.get(key, 0) < n and len(replies.get(key, ())) == longest.get(key, 0):  # not yet ended by EOS
+            longest[key] = max(n, 40)
+            out = smol.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=longest[key])
+            replies[key] = out[0, len(ids):].tolist()
+        return replies[key][:n]
+
+    return hf_greedy

@@ -178,12 +178,12 @@ def test_confidence_stop_keeps_the_distribution(rough, rule):
 
 
 @pytest.mark.slow
-def test_default_model_switching_and_adaptive_keep_greedy_output(smol):
+def test_default_model_switching_and_adaptive_keep_greedy_output(smol, smol_greedy):
     from helpers import chat_ids
 
     prompt = chat_ids(smol, "Write a Python function that reverses a list.")
     eos = smol.model.generation_config.eos_token_id
-    ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40)[0, len(prompt):].tolist()
+    ref = smol_greedy(prompt, 40)
     drafters = [build_drafter(mode, smol.model) for mode in ("quant", "lookup", "off")]
     controls = Controls(drafters[0], k=4, sampling=SamplingParams(0), adaptive=AdaptiveK(start=4, p_min=0.3))
     out = []

@@ -43,17 +43,18 @@ def padded_pair():
 
 @pytest.mark.parametrize("bug", [None, "q at the wrong temperature from position 3"])
 def test_output_still_follows_the_target_distribution(record_property, bug):
-    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings
-    (measured p = 1.4e-18, at position 3)."""
+    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings (measured
+    p = 1.4e-18 at 1500 draws, 1.9e-13 at 1000, at position 3). The draft runs on the lean runner, as mode draft
+    runs it (through HF's forward the draws took 1.6x as long; test_exactness.py tests that path)."""
     target, draft = padded_pair()
     params = SamplingParams(1.0)
-    drafter = ModelDrafter(draft)
+    drafter = ModelDrafter(draft, lean=lean_runner(draft))
     if bug:
         drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
     stats = Stats()
-    counts = sample_joint(target, drafter, params, k=3, draws=1500, length=4, generated=4, seed=5, stats=stats)
+    counts = sample_joint(target, drafter, params, k=3, draws=1000, length=4, generated=4, seed=5, stats=stats)
     # ids the draft cannot embed come up before the last token in many draws: the next round feeds the stand-in
-    assert sum(c for seq, c in counts.items() if any(t >= 36 for t in seq[:3])) > 0.05 * 1500
+    assert sum(c for seq, c in counts.items() if any(t >= 36 for t in seq[:3])) > 0.05 * 1000
     assert_verdict(fit_to_target(target, counts, params, 4), stats, 3, bug, record_property)
 
 
@@ -116,11 +117,12 @@ def test_a_restricted_draft_vocabulary_is_what_q_says():
 
 @pytest.mark.parametrize("bug", [None, "q at the wrong temperature from position 3"])
 def test_a_restricted_draft_keeps_the_target_distribution(record_property, bug):
-    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings."""
+    """K=3 with draws of K+1 tokens, position by position; the control must fail at the same settings (measured
+    p = 4.6e-11 at 1000 draws, at position 3)."""
     target, drafter = restricted_pair()
     if bug:
         drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
-    fit, stats = sample_and_fit(target, drafter, SamplingParams(1.0), k=3, draws=1500, seed=5)
+    fit, stats = sample_and_fit(target, drafter, SamplingParams(1.0), k=3, draws=1000, seed=5)
     assert_verdict(fit, stats, 3, bug, record_property)
 
 

@@ -68,12 +68,13 @@ CASES = {"t1": SamplingParams(1.0), "t0.7-topk5": SamplingParams(0.7, top_k=5)}
 def test_sampled_output_matches_target_distribution(peaked, record_property, case, bug):
     """K=3 with draws of K+1 tokens: the first round drafts positions 1..3 and may earn the bonus. The control
     (q is one-hot, so no wrong q: a wrong residual instead) is broken only at draft position 3 and must fail at
-    the same settings; measured p = 2.5e-20 (t1), 5.2e-26 (t0.7-topk5), all at position 3."""
+    the same settings; measured p = 2.5e-20 (t1), 5.2e-26 (t0.7-topk5) at 1000 draws, 3.8e-11 and 1.9e-15 at
+    600, all at position 3."""
     rule = ResampleFromPFrom(3) if bug else None
-    fit, stats = sample_and_fit(peaked, LookupDrafter(), CASES[case], k=3, draws=1000, rule=rule, prompt=PEAKED_PROMPT)
+    fit, stats = sample_and_fit(peaked, LookupDrafter(), CASES[case], k=3, draws=600, rule=rule, prompt=PEAKED_PROMPT)
     record_property("p_value", fit.p_value)
     assert_drafted_up_to(stats, 3)
-    assert stats.num_accepted_tokens_per_pos[2] > 200  # draft 3 is judged, and often kept: not only proposed
+    assert stats.num_accepted_tokens_per_pos[2] > 120  # draft 3 is judged, and often kept: not only proposed
     if bug is None:
         assert fit.passed(ALPHA), fit
     else:
@@ -82,26 +83,24 @@ def test_sampled_output_matches_target_distribution(peaked, record_property, cas
 
 def test_distribution_test_catches_a_broken_rule_with_one_hot_q(peaked, record_property):
     """Resampling from p (not p with the draft removed) after any rejected one-hot draft must fail."""
-    fit, stats = sample_and_fit(peaked, LookupDrafter(), CASES["t1"], k=3, draws=1000, rule=ResampleFromP(), prompt=PEAKED_PROMPT)
+    fit, stats = sample_and_fit(peaked, LookupDrafter(), CASES["t1"], k=3, draws=600, rule=ResampleFromP(), prompt=PEAKED_PROMPT)
     record_property("p_value", fit.p_value)
     assert_drafted_up_to(stats, 3)
     assert fit.p_value < 1e-6, fit
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_hf_generate():
+def test_default_model_greedy_matches_hf_generate(smol, smol_greedy):
     from helpers import SMOL_PROMPTS, chat_ids
     from specchat.engine.loop import generate
-    from specchat.models import load_model
 
-    smol = load_model(None, torch.device("cpu"), torch.float32)
     eos = smol.model.generation_config.eos_token_id
     accepted = 0
     for text in [*SMOL_PROMPTS, "Repeat after me: the quick brown fox jumps over the lazy dog."]:
         prompt = chat_ids(smol, text)
-        ref = smol.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32)  # stops at EOS
+        ref = smol_greedy(prompt, 32)  # stops at EOS
         controls = Controls(build_drafter("lookup", smol.model), k=4, sampling=SamplingParams(0))
         records = list(generate(TargetState(smol.model), prompt, controls, max_new_tokens=32, eos_ids={eos}))
-        assert [t.id for r in records for t in r.tokens] == ref[0, len(prompt):].tolist(), text
+        assert [t.id for r in records for t in r.tokens] == ref, text
         accepted += sum(r.accepted for r in records)
     assert accepted > 0

@@ -212,10 +212,7 @@ class LlamaTargetState(TargetState):
         self.known = 0
         self.vocab_size = model.vocab_size
         self.context_len = model.context_len
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
+        self.device = model.device
 
     @property
     def kernel(self) -> str:

@@ -45,10 +45,8 @@ class TargetState:
         self.known = 0  # features[:known] are the target's for tokens[:known]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_len: int | None = getattr(model.config, "max_position_embeddings", None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
+        # read once: HF's `model.device` walks the modules (~40 us), and a round asks it about ten times
+        self.device: torch.device = model.device
 
     @property
     def kernel(self) -> str:
