@@ -10,8 +10,12 @@ rounds a temperature (binomial error ~0.02 near 0.4); the default prompts here (
 benchmarks/head-prompts.jsonl, none of them in train/prompts.txt) give ~2300 positions in a few minutes on the
 2-core reference CPU.
 
+With `--k K` each head also drafts K tokens a round in the real loop (greedy, its recorded `max_draft` ignored),
+and the script prints how often each draft position was accepted: later positions draft from the head's own
+predicted features, which is what EAGLE-3's training-time test (`train/head.py`, Recipe.depth) trains.
+
     python benchmarks/head_agreement.py HEAD.safetensors [HEAD2.safetensors ...] [--prompts FILE.jsonl ...]
-        [--tokens 160] [--threads N]
+        [--tokens 160] [--threads N] [--k K]
 """
 
 from __future__ import annotations
@@ -61,6 +65,28 @@ def head_drafts(drafter: HeadDrafter, state: TargetState, tokens: list[int], fea
     return drafter.vocab[logits.argmax(-1)]
 
 
+def loop_positions(drafter: HeadDrafter, target, state: TargetState, replies, k: int) -> str:
+    """The real loop at K = k, greedy, over every prompt: per draft position the share of rounds that drafted it
+    whose draft was accepted, and tokens per target forward. Each reply must equal plain decoding's."""
+    from specchat.engine.metrics import Stats
+
+    drafter.max_draft = None
+    stats = Stats()
+    for _, n_prompt, tokens, _ in replies:
+        state.tokens, state.head = [], None
+        drafter.reset()
+        controls = Controls(drafter=drafter, k=k, sampling=SamplingParams(0.0, 0, 1.0))
+        prompt = tokens[:n_prompt]
+        out = list(prompt)
+        for record in generate(state, prompt, controls, max_new_tokens=len(tokens) - n_prompt, eos_ids=target.eos_ids):
+            stats.add(record)
+            out += [t.id for t in record.tokens]
+        assert out == tokens, "the head's loop left plain greedy decoding"
+    drafted, accepted = stats.num_draft_tokens_per_pos, stats.num_accepted_tokens_per_pos
+    positions = ", ".join(f"{i + 1}: {a / d:.3f} of {d}" for i, (a, d) in enumerate(zip(accepted, drafted)) if d)
+    return f"K={k}: accepted per position ({positions}); {stats.new_tokens / stats.rounds:.3f} tokens per target forward"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("heads", nargs="+")
@@ -68,6 +94,7 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", default=PROMPTS)
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--k", type=int, default=None, help="also run the loop at this K and report each draft position")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,6 +124,8 @@ def main() -> None:
             per.append(f"{name} {sum(agree) / max(len(agree), 1):.2f}")
         print(f"{path}: acceptance in the loop {accepted / rounds:.3f} over {rounds} rounds; agreement {hits / total:.3f} over {total} "
               f"positions ({', '.join(per)})")
+        if args.k:
+            print(f"  {loop_positions(drafter, target, state, replies, args.k)}", flush=True)
 
 
 if __name__ == "__main__":

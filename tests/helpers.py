@@ -47,20 +47,11 @@ def tiny_llama(seed: int, layers: int = 1, vocab: int = TINY_VOCAB, sharpen: flo
     """A randomly initialised Llama small enough for thousands of draws; `sharpen` scales the LM head
     so its distributions are peaked like a real model's (near-uniform ones would hide a bias)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        **overrides,
-    )
+    config = LlamaConfig(**{
+        "vocab_size": vocab, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 128, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "tie_word_embeddings": False, **overrides,
+    })
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)

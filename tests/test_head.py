@@ -26,7 +26,8 @@ from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import lean_runner
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
-from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features, training_seconds
+from specchat.engine.cache import KVCache
+from specchat.train.head import Data, Recipe, Trainer, identity, save_head, target_features, training_time_mask, training_seconds
 
 LEFT_OUT = HEAD_LEFT_OUT
 
@@ -142,6 +143,75 @@ def test_training_lowers_the_loss(tiny_target):
     loss_after, agreement_after = loss_and_agreement()
     # the cross-entropy has the target's entropy as its floor, so the loss falls little; agreement shows the learning
     assert loss_after < loss_before and agreement_after > agreement_before + 0.3, (loss_before, loss_after, agreement_before, agreement_after)
+
+
+def test_the_training_time_mask_by_hand():
+    """Depth 2 (d=1): row j sees depth 1's rows up to j-1 and its own depth-2 key; depth 3: up to j-2, then depth 2's
+    row j-1, then itself."""
+    T, F_ = True, False
+    assert training_time_mask(3, 0).tolist() == [[T, F_, F_], [T, T, F_], [T, T, T]]
+    assert training_time_mask(3, 1).tolist() == [[F_, F_, F_, T, F_, F_], [T, F_, F_, F_, T, F_], [T, T, F_, F_, F_, T]]
+    assert training_time_mask(4, 2)[3].tolist() == [T, T, F_, F_] + [F_, F_, T, F_] + [F_, F_, F_, T]
+
+
+def tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["gqa", "mha", "qwen3"])
+def test_the_training_time_test_computes_what_the_drafter_computes(family):
+    """Depth d+1's row j in one batched forward = drafting position d+1 a position at a time, the head's cache holding
+    the rows before (HeadDrafter.propose's calls), the drafts being the true tokens. Grouped query heads (the packed
+    attention path), one KV head per query head (the other path), Qwen3's q/k norms."""
+    target = {"gqa": lambda: tiny_llama(seed=3, layers=2), "mha": lambda: tiny_llama(seed=3, layers=2, num_key_value_heads=2),
+              "qwen3": tiny_qwen3}[family]()
+    runner = lean_runner(target)
+    seq = torch.randint(0, runner.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    feats = target_features(runner, seq)  # [12, D]
+    trainer = Trainer(SimpleNamespace(model=target), Recipe(depth=3, noise=0.0), torch.arange(runner.vocab_size), 1.0)
+    head = trainer.head.requires_grad_(False)
+    n = len(seq) - 1
+    f_in, emb = feats[:-1][None], torch.nn.functional.embedding(torch.tensor([seq[1:]]), trainer.embed_w)  # [1, n, D] x 2
+    cos, sin = trainer.rope(n)
+    with torch.no_grad():
+        preds = trainer.predict(f_in, emb, cos, sin)  # 3 x [1, n, D]
+        for j in range(2, n):
+            cache = KVCache(1, head.shape.n_kv_heads, head.shape.head_dim, torch.float32, torch.device("cpu"))
+            h = head(f_in[:, : j - 1], emb[:, : j - 1], cache, 0, cos[:, : j - 1], sin[:, : j - 1])[:, -1:]  # row j-2
+            torch.testing.assert_close(h[0, 0], preds[0][0, j - 2], rtol=1e-4, atol=1e-5)
+            for d in (1, 2):  # draft position d+1 at row j-2+d, fed the prediction and the true token
+                row = j - 2 + d
+                h = head(h, emb[:, row : row + 1], cache, row, cos[:, row : row + 1], sin[:, row : row + 1])
+                torch.testing.assert_close(h[0, 0], preds[d][0, row], rtol=1e-4, atol=1e-5)
+
+
+def test_training_time_test_lowers_the_second_positions_loss(tiny_target):
+    """Depth 2 trained, the head's second draft (fed its own first prediction) agrees with the target more."""
+    runner = lean_runner(tiny_target)
+    gen = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, runner.vocab_size, (30,), generator=gen).tolist() for _ in range(6)]
+    batch = [(s, target_features(runner, s)) for s in sequences]
+    trainer = Trainer(SimpleNamespace(model=tiny_target), Recipe(lr=1e-2, noise=0.0, depth=2), torch.arange(runner.vocab_size), 1.0)
+
+    def second_agreement() -> float:
+        agree = total = 0
+        with torch.no_grad():
+            for seq, feats in batch:
+                emb = torch.nn.functional.embedding(torch.tensor([seq[1:]]), trainer.embed_w)
+                pred = trainer.predict(feats[:-1][None], emb, *trainer.rope(len(seq) - 1))[1][0, 1:]  # rows 1.. [n-1, D]
+                agree += int((trainer.logits(pred).argmax(-1) == trainer.logits(feats[2:]).argmax(-1)).sum())
+                total += len(pred)
+        return agree / total
+
+    before = second_agreement()
+    for step in range(60):
+        trainer.train_step(batch[step % 2 * 3 : step % 2 * 3 + 3], 60)
+    assert second_agreement() > before + 0.3, before
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,12 @@ class Progress:
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps (default: as many as fit --minutes; printed, for a repeatable run).")
 @click.option("--vocab", type=click.IntRange(min=1), default=8192, show_default=True, help="Tokens the head drafts among (the most frequent in the data).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--depth", type=click.IntRange(min=1, max=8), default=1, show_default=True,
+              help="Draft positions trained: 2 or more also trains the head on its own predictions (EAGLE-3's training-time test).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write NAME.safetensors and NAME.json (default: the user cache, where mode head finds it).")
 @target_options
-def train_head(data_file, minutes, steps, vocab, seed, out, **opts):
+def train_head(data_file, minutes, steps, vocab, seed, depth, out, **opts):
     """Train a small draft head (mode head) for the target on this machine, from the target's own replies."""
     from rich.console import Console
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
@@ -60,7 +62,7 @@ def train_head(data_file, minutes, steps, vocab, seed, out, **opts):
 
     key = fingerprint(target.model)
     out = out.expanduser() if out is not None else store.heads_dir() / key
-    recipe = Recipe(minutes=minutes, steps=steps, vocab=vocab, seed=seed, data_file=data_file)
+    recipe = Recipe(minutes=minutes, steps=steps, vocab=vocab, seed=seed, data_file=data_file, depth=depth)
     with user_errors(), Bar(TextColumn("[b]{task.description}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         try:
             meta = run(target, recipe, out, store.heads_dir() / f"{key}.work", Progress(bar, console))
