@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.store import atomic_path, cache_dir, models_dir
+from specchat.store import atomic_path, cache_dir, models_dir, write_atomic
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,10 +116,30 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _cache_name(path: Path) -> str:
-    """The file's name in the user cache: its stem and a key of its path, size and modification time."""
+    """The file's name in the user cache: its stem and a key of its content (content_key)."""
+    return f"{path.stem}-{content_key(path)[:12]}"
+
+
+def content_key(path: Path) -> str:
+    """SHA-256 of the file's bytes, read once per path, size and modification time and remembered in the user cache.
+
+    A key of the path alone made every new virtual environment convert the default model again (a fresh pip
+    install is a new path and a new mtime): 540 MB of float32 each time and, the first time, ~45 s more for the
+    test suite from a fresh clone. Hashing reads the file once (the default model's 100 MB: a fraction of a
+    second; a 5 GB model: seconds, where its conversion takes minutes)."""
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"{path.stem}-{key}"
+    seen = models_dir() / ".keys" / hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    try:
+        return seen.read_text().strip()
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        write_atomic(seen, key)
+    except OSError:  # a read-only cache: hash again next time
+        pass
+    return key
 
 
 # What a GGUF's weights are stored as once dequantised for torch: the smallest type that holds them exactly. An F16

@@ -4,7 +4,9 @@ exactly, announced first by one line that says what, how big and roughly how lon
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 import shutil
 import struct
 
@@ -49,11 +51,35 @@ def test_a_quantised_file_is_stored_as_float32_and_a_16_bit_file_as_its_own_type
     assert models.STORE_DTYPE == {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def test_a_copy_elsewhere_is_not_converted_again_and_is_hashed_once(tmp_path, monkeypatch):
+    """A new virtual environment installs the default file at a new path with a new mtime: the same bytes, the same
+    conversion. Its key is read once; later starts find it without reading the file."""
+    default = models.default_gguf()
+    models.convert_gguf(default)
+    copy = tmp_path / default.name
+    shutil.copyfile(default, copy)
+    assert models.converted_dir(copy) == models.converted_dir(default) and models.conversion_plan(copy) is None
+    with monkeypatch.context() as m:
+        m.setattr(hashlib, "file_digest", lambda *a, **k: pytest.fail("the file was hashed again"))
+        assert models.converted_dir(copy) == models.converted_dir(default)
+    with open(copy, "r+b") as f:  # one byte of the weights changed: another model
+        f.seek(copy.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    stat = copy.stat()  # a later write has a later mtime (a write within the same clock tick of the file system may not)
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert models.converted_dir(copy) != models.converted_dir(default)
+
+
 def test_the_first_load_on_torch_says_what_it_converts_before_converting(tmp_path, monkeypatch):
-    """A copy of the default file is another file (another cache entry, not converted yet): its plan line comes, as
-    a stage of its own, before the conversion starts; so does the kernel's compilation on a machine without it."""
+    """The default file with other bytes is another file (another cache entry, not converted yet): its plan line
+    comes, as a stage of its own, before the conversion starts; so does the kernel's compilation on a machine
+    without it."""
     copy = tmp_path / "mine.gguf"
     shutil.copyfile(models.default_gguf(), copy)
+    with open(copy, "ab") as f:
+        f.write(f"{tmp_path}".encode())  # bytes no other run's copy has: never converted before
     plan = models.conversion_plan(copy)
     assert plan.startswith("Converting mine.gguf (0.1 GB, Q4_1) once for torch") and "32-bit safetensors" in plan
     assert "min on 2 cores" in plan
