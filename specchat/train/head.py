@@ -477,13 +477,13 @@ class _Keys:
         return self.k, self.v
 
 
-def training_time_mask(length: int, d: int) -> torch.Tensor:
+def training_time_mask(length: int, d: int, device: torch.device | None = None) -> torch.Tensor:
     """[L, (d+1) L] bool: what head row j sees at depth d+1 when drafting. The row stands at draft position d+1: its
     cache holds the rows before the draft, computed from the target's features (depth 1's keys up to row j-d), then
     one row per earlier draft position, each computed from the depth before (depth t+1's key of row j-d+t), then
     itself. Rows j < d have no such draft and are left out of the loss."""
-    j = torch.arange(length)[:, None]  # [L, 1]
-    c = torch.arange(length)[None]  # [1, L]
+    j = torch.arange(length, device=device)[:, None]  # [L, 1]
+    c = torch.arange(length, device=device)[None]  # [1, L]
     return torch.cat([c <= j - d] + [c == j - d + t for t in range(1, d + 1)], dim=1)
 
 
@@ -552,8 +552,8 @@ class Trainer:
         target = torch.stack([F.pad(feats[1:], (0, 0, 0, length - n)) for (_, feats), n in zip(batch, ns)])  # [B, L, D]
         with torch.no_grad():
             p = torch.softmax(self.logits(target), -1)  # [B, L, N]: the target's next-token distribution over N
-        rows = torch.tensor(ns)
-        position = torch.arange(length)[None]  # [1, L]
+        rows = torch.tensor(ns, device=f_in.device)
+        position = torch.arange(length, device=f_in.device)[None]  # [1, L]
         total, weights = 0.0, 0.0
         for d, pred in enumerate(self.predict(f_in, embeddings, cos, sin)):  # depth d+1: rows j >= d have d drafts before them
             logits = self.logits(pred)  # [B, L, N]
@@ -573,7 +573,7 @@ class Trainer:
             return [self.head(f_in, embeddings, None, 0, cos, sin)]
         length, preds, keys, fed = f_in.shape[1], [], _Keys(), f_in
         for d in range(self.recipe.depth):
-            mask = training_time_mask(length, d).repeat(self.head.shape.n_rep, 1)  # [n_rep L, (d+1) L]
+            mask = training_time_mask(length, d, f_in.device).repeat(self.head.shape.n_rep, 1)  # [n_rep L, (d+1) L]
             preds.append(self.head(fed, embeddings, keys, 0, cos, sin, mask))
             fed = torch.cat([f_in[:, :1], preds[-1][:, :-1]], dim=1)  # row j now reads the prediction of f_j
         return preds
