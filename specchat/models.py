@@ -124,8 +124,8 @@ def content_key(path: Path) -> str:
     """SHA-256 of the file's bytes, read once per path, size and modification time and remembered in the user cache.
 
     A key of the path alone made every new virtual environment convert the default model again (a fresh pip
-    install is a new path and a new mtime): 540 MB of float32 each time and, the first time, ~45 s more for the
-    test suite from a fresh clone. Hashing reads the file once (the default model's 100 MB: a fraction of a
+    install is a new path and a new mtime): 540 MB of float32 each time, and the test suite's first run in a new
+    environment converted in two processes at once (~30 s each). Hashing reads the file once (the default model's 100 MB: a fraction of a
     second; a 5 GB model: seconds, where its conversion takes minutes)."""
     stat = path.stat()
     seen = models_dir() / ".keys" / hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
