@@ -24,6 +24,7 @@ T1 = SamplingParams(1.0)
 class Named(Drafter):
     def __init__(self, name: str) -> None:
         self.name = name
+        self.catches_up = name == "head"  # as the real head: a cache of its own
 
 
 def scripted_auto(suffix: bool = False, memory=None) -> AutoDrafter:
@@ -250,16 +251,18 @@ class EveryRound(AutoDrafter):
         return arms[(len(tokens) - len(PROMPT) - 1) % len(arms)], "rotation"
 
 
-def rotation(draft) -> EveryRound:
-    return EveryRound({"off": PlainDecoding(), "suffix": SuffixDrafter(), "draft": ModelDrafter(draft)})
+def rotation(target, draft) -> EveryRound:
+    """Among them quant's int8 copy, which drafts on the target's own cache."""
+    return EveryRound({"off": PlainDecoding(), "suffix": SuffixDrafter(), "draft": ModelDrafter(draft),
+                       "quant": build_drafter("quant", target, quant_backend="int8")})
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_is_plain_greedy_while_switching_every_round(tiny_target, tiny_draft, k):
     plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=60)
-    out, records = run(tiny_target, rotation(tiny_draft), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=60)
+    out, records = run(tiny_target, rotation(tiny_target, tiny_draft), PROMPT, k=k, params=SamplingParams(0), max_new_tokens=60)
     assert out == plain
-    assert {r.mode for r in records} >= {"off", "draft"}  # it did switch
+    assert {r.mode for r in records} >= {"off", "draft", "quant"}  # it did switch
 
 
 def test_greedy_with_the_real_choice(tiny_target, tiny_draft):

@@ -23,6 +23,7 @@ T1_KEY = "T=1 top_k=0 top_p=1"
 class Named(Drafter):
     def __init__(self, name: str, max_draft: int | None = None) -> None:
         self.name, self.resets = name, 0
+        self.catches_up = name in ("head", "draft")  # as the real ones: quant's int8 copy drafts on the target's cache
         if max_draft is not None:
             self.max_draft = max_draft
 
@@ -402,9 +403,12 @@ def test_a_cached_drafters_first_round_after_another_mode_only_catches_up():
     assert auto.rates["draft"].rounds == 0 and auto.caught_up == "draft" and auto.ran == "draft"
     auto.observe(record("draft"))
     assert auto.rates["draft"].rounds == 1 and auto.caught_up is None
+    auto.arm = "head"
+    auto.observe(record("head"))
+    assert auto.rates["head"].rounds == 0 and auto.caught_up == "head"
     auto.arm = "quant"
-    auto.observe(record("quant"))
-    assert auto.rates["quant"].rounds == 0 and auto.caught_up == "quant"
+    auto.observe(record("quant"))  # it shares the target's cache: nothing to catch up on, counted at once
+    assert auto.rates["quant"].rounds == 1 and auto.caught_up is None and auto.ran == "quant"
     auto.arm = "off"
     auto.observe(record("off", drafted=0))
     auto.observe(record("off", drafted=0))  # plain decoding has no cache: counted at once, both times

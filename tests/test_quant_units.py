@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from helpers import tiny_llama
 from specchat.engine.drafters import ModeUnavailable, build_drafter
@@ -61,11 +62,16 @@ def test_int8_backend_bytes_are_hand_worked(one_layer):
     # int8 weights + a float32 scale per output row: per layer 2304 + 4 * 128 = 2816, the LM head 192 + 48 = 240
     assert d1.weight_bytes == 2816 + 240 == LAYER_WEIGHTS + 4 * LAYER_ROWS + HEAD_WEIGHTS + 4 * HEAD_ROWS
     assert d2.weight_bytes == 2 * 2816 + 240
-    assert d1.extra_bytes == d1.weight_bytes  # no draft cache yet
+    assert d1.extra_bytes == d1.weight_bytes  # no draft cache
     state = TargetState(one_layer)
     state.start([3, 1, 4])
     d1.propose(state, 2, SamplingParams(0), None)
-    assert d1.extra_bytes > d1.weight_bytes  # plus the draft's own KV cache
+    assert d1.sharing and d1.cache is state.cache  # it drafted on the target's cache: still no cache of its own
+    assert d1.extra_bytes == d1.weight_bytes
+    hf = TargetState(one_layer, runner="hf")  # a DynamicCache the int8 runner cannot write: a KV cache of its own
+    hf.start([3, 1, 4])
+    d1.propose(hf, 2, SamplingParams(0), None)
+    assert not d1.sharing and d1.cache is not hf.cache and d1.extra_bytes > d1.weight_bytes
 
 
 def test_torch_ao_bytes_are_hand_worked_and_a_bf16_target_adds_its_norms_in_float32(one_layer):
@@ -264,23 +270,54 @@ def int8_reference(model):
     return ref
 
 
-def test_int8_draft_logits_are_those_of_the_int8_weights(one_layer):
-    """The draft's q is the softmax of a model whose weights are the int8 ones, position after position (its own
-    cache carried on), and the target is left as it was."""
+@pytest.mark.parametrize("runner", ["lean", "hf"])
+def test_int8_draft_logits_are_those_of_the_int8_weights(one_layer, runner):
+    """The draft's q is the softmax of a model whose weights are the int8 ones, position after position. On the lean
+    runner it reads the target's float32 keys and values for the context (the target's cache, shared) and its own
+    for the positions it drafts; on HF's path it keeps a cache of its own, all int8. The target is left as it was."""
     drafter = QuantDrafter.build(one_layer)
     assert drafter.model is one_layer  # the lean int8 runner drafts; the target verifies
     ref = int8_reference(one_layer)
-    state = TargetState(one_layer)
+    state = TargetState(one_layer, runner=runner)
     state.start([3, 1, 4, 1, 5])
     proposal = drafter.propose(state, 4, SamplingParams(1.0), torch.Generator().manual_seed(0))
-    assert proposal.calls == 4 and len(proposal.ids) == 4
-    seq = [3, 1, 4, 1, 5]
+    assert proposal.calls == 4 and len(proposal.ids) == 4 and drafter.sharing == (runner == "lean")
+    cache = DynamicCache(config=one_layer.config)
+    with torch.no_grad():  # the context's entries: the target's own (shared) or the int8 model's
+        (one_layer if runner == "lean" else ref)(torch.tensor([[3, 1, 4, 1]]), past_key_values=cache, use_cache=True)
+    feed = [5]
     for j in range(4):
         with torch.no_grad():
-            want = torch.softmax(ref(torch.tensor([seq])).logits[0, -1], -1)
+            want = torch.softmax(ref(torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1], -1)
         torch.testing.assert_close(proposal.q[j], want, atol=2e-5, rtol=1e-4)
-        seq.append(int(proposal.ids[j]))
+        feed = [int(proposal.ids[j])]
     # and not the float32 target's own (the int8 rounding is visible in q)
     with torch.no_grad():
         fp32 = torch.softmax(one_layer(torch.tensor([[3, 1, 4, 1, 5]])).logits[0, -1], -1)
     assert (proposal.q[0] - fp32).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("after", ["prefill", "round"])
+def test_drafting_on_the_target_cache_leaves_the_verify_unchanged(one_layer, after):
+    """The int8 copy writes its keys and values into the target's cache, at the pending token's position and the
+    drafts': the verify that follows must give bit for bit the logits a cache the draft never touched gives, right
+    after a prefill (the cache then holds the pending token too) and between rounds."""
+    drafter = QuantDrafter.build(one_layer)
+    shared, clean = TargetState(one_layer), TargetState(one_layer)
+    for state in (shared, clean):
+        state.start([3, 1, 4, 1, 5])
+        if after == "round":
+            state.verify([])
+            state.commit([9])
+    context = shared.past if after == "round" else shared.past - 1  # the positions the draft must not write
+    before = [(k[:, :, :context].clone(), v[:, :, :context].clone()) for k, v in zip(shared.cache.keys, shared.cache.values)]
+    proposal = drafter.propose(shared, 3, SamplingParams(0), None)
+    assert drafter.sharing and len(proposal.ids) == 3
+    assert max(shared.cache.lengths) == context + 3  # it wrote the pending token's position and two drafts'
+    for (k0, v0), k, v in zip(before, shared.cache.keys, shared.cache.values):
+        assert torch.equal(k[:, :, :context], k0) and torch.equal(v[:, :, :context], v0)
+    drafts = proposal.ids.tolist()
+    if after == "prefill":
+        assert shared.head is None  # the draft pass took the pending token's position: the verify feeds it again
+        clean.rewind()
+    assert torch.equal(shared.verify(drafts), clean.verify(drafts))

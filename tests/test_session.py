@@ -51,7 +51,8 @@ def test_auto_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_p
     first = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16)
     list(first.reply("the cat and the dog"))
     [saved] = (tmp_path / "auto").glob("*.json")
-    learnt = first.controls.drafter.rates
+    # an arm measured in one round only weighs under one round once any time has passed (Rate.remembered): forgotten
+    learnt = {arm: r for arm, r in first.controls.drafter.rates.items() if r.live >= 2}
     second = Session(tiny, tiny, mode="auto", k=3, sampling=SamplingParams(0), max_new_tokens=16)
     auto = second.controls.drafter
     assert auto.memory.path == saved and sum(r.earlier for r in auto.rates.values()) == sum(r.live for r in learnt.values()) > 0

@@ -10,9 +10,10 @@ engine time (draft + verify) over its recent rounds, exponentially weighted, so 
 estimates of the modes that run. A round's tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
 accept/reject draw that happened. A round counts for the mode that ran it, also when it drafted nothing (a
-plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the head, quant, a draft model) after another
-mode ran, or after a reset, is not counted: it feeds every position it missed (a whole prompt, or the tokens
-of 64 rounds), a switching cost and not the mode's own.
+plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the
+head, a draft model: `Drafter.catches_up`) after another mode ran, or after a reset, is not counted: it feeds every
+position it missed (a whole prompt, or the tokens of 64 rounds), a switching cost and not the mode's own. quant's
+int8 copy drafts on the target's own cache and has nothing to catch up on.
 
 How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that a candidate is measured further
 (up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + SPREAD/sqrt(rounds), an
@@ -51,7 +52,6 @@ from specchat.engine.drafters.base import Drafter
 from specchat.engine.errors import ModeUnavailable
 
 CANDIDATES = ("off", "suffix", "head", "quant", "draft")  # in the order their first rounds run
-CACHED = {"head", "quant", "draft"}  # drafters that catch up on the positions they missed when they run again
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
 MIN_ROUNDS = 2  # counted rounds every candidate runs before the choice starts
 WARMUP = 6  # a candidate that could still beat the leader is measured up to this many rounds
@@ -232,7 +232,9 @@ class AutoDrafter(Drafter):
         return (f"learnt over {earlier:,} rounds earlier + {live:,} now: " if earlier else "") + why
 
     def observe(self, record) -> None:
-        catching_up, self.ran = record.mode in CACHED and record.mode != self.ran, record.mode
+        drafter = self.candidates.get(record.mode)
+        catching_up = getattr(drafter, "catches_up", False) and record.mode != self.ran
+        self.ran = record.mode
         self.caught_up = self.arm if catching_up else None
         if catching_up:
             return  # its draft time includes feeding what it missed: not this mode's cost per round

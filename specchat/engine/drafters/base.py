@@ -35,6 +35,9 @@ class Drafter:
     # (llama.cpp's --draft-p-min; the loop sets it each round from AdaptiveK, 0 = never). It depends only
     # on the draft's own distribution, so the rule stays exact. Drafters without a model ignore it.
     p_min: float = 0.0
+    # True for a drafter with a cache of its own (the head, a draft model): its first round after a prompt or after
+    # another mode's rounds feeds every position it missed, a switching cost that auto does not count as its rate
+    catches_up: bool = False
 
     def propose(self, state: TargetState, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError

@@ -1,8 +1,8 @@
 """A draft model derived from the target (int8 copy, low-rank copy).
 
-It runs ModelDrafter's loop (own KV cache re-synced to `state.tokens`, confidence stop at `p_min`,
-which matters most here: each draft step of a copy costs a sizeable fraction of a target step) and
-reports the memory it adds.
+It runs ModelDrafter's loop (on the target's KV cache where it shares it, else on its own re-synced to
+`state.tokens`; confidence stop at `p_min`, which matters most here: each draft step of a copy costs a sizeable
+fraction of a target step) and reports the memory it adds.
 """
 
 from __future__ import annotations
@@ -26,4 +26,4 @@ class CopyDrafter(ModelDrafter):
 
     @property
     def extra_bytes(self) -> int:
-        return self.weight_bytes + cache_bytes(self.cache)
+        return self.weight_bytes + (0 if self.sharing else cache_bytes(self.cache))

@@ -148,6 +148,7 @@ def load_head(path: Path, target) -> tuple[DraftHead, dict]:
 
 class HeadDrafter(Drafter):
     name = "head"
+    catches_up = True  # its cache of head positions, from the target's features
 
     @classmethod
     def build(cls, target, draft=None, *, head_file=None, **options) -> "HeadDrafter":

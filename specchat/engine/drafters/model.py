@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specchat.engine.cache import common_prefix, crop_to, forward_logits, new_cache
+from specchat.engine.cache import KVCache, common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
@@ -39,6 +39,13 @@ class ModelDrafter(Drafter):
     what each draft is drawn from, so the rule stays exact."""
 
     name = "draft"
+    # A draft derived from the target with the target's own cache layout (quant's int8 copy, lowrank on the lean
+    # runner) may draft on the target's KV cache instead of a cache of its own: it reads the target's keys and values
+    # for every committed position and writes its own only at the positions the next verify overwrites (the pending
+    # token's and the drafts'), so the target never reads a draft's entry and the rule stays exact. Nothing to catch
+    # up on after a prompt or another mode's rounds, and no cache of its own.
+    shares_target_cache: bool = False
+    sharing: bool = False
 
     @classmethod
     def build(cls, target, draft=None, *, draft_vocab: int | None = None, **options) -> "ModelDrafter":
@@ -74,6 +81,23 @@ class ModelDrafter(Drafter):
     def reset(self) -> None:
         self.cache = self.lean.new_cache() if self.lean is not None else new_cache(self.model)
         self.cached: list[int] = []  # tokens whose KV the draft cache holds
+        self.sharing = False  # the last proposal drafted on the target's cache (self.cache is the target's)
+
+    @property
+    def catches_up(self) -> bool:
+        """Its first round after a prompt or another mode's rounds feeds every position it missed."""
+        return not self.shares_target_cache
+
+    def use_target_cache(self, state) -> None:
+        """Draft on the target's cache when this drafter shares it and the target runs on the lean runner; the
+        cache then holds `state.tokens[:-1]`, every entry the target's."""
+        share = self.shares_target_cache and self.lean is not None and isinstance(state.cache, KVCache)
+        if share:
+            state.rewind()  # right after a prefill the cache holds the pending token too: this pass writes its position
+            self.cache, self.cached = state.cache, state.tokens[:-1]
+        elif self.sharing:  # the cache was a target's: one of its own from here
+            self.reset()
+        self.sharing = share
 
     def crop(self, length: int) -> None:
         """Keep the draft cache's first `length` positions."""
@@ -93,6 +117,7 @@ class ModelDrafter(Drafter):
         return logits.index_put_((self.vocab_ids[keep],), scores[keep])
 
     def propose(self, state, k, params, generator) -> Proposal:
+        self.use_target_cache(state)
         # re-sync: keep the common prefix, feed the rest (after a full accept that includes the K-th draft)
         keep = min(common_prefix(self.cached, state.tokens), len(state.tokens) - 1)
         self.crop(keep)

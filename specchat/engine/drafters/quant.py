@@ -17,9 +17,11 @@ draft. On CUDA the copy uses torchao's Int8WeightOnlyConfig when torchao is inst
 there is no int8 path and the mode is unavailable.
 
 The copy shares the target's embedding and norms (kept in float32 for the int8 kernels, which take
-float32 activations) and keeps its own KV cache re-synced to `state.tokens` (ModelDrafter).
-Extra memory: the int8 weights with their scales, float32 norms if the target is not float32, the
-draft KV cache.
+float32 activations). The lean int8 copy also drafts on the target's own KV cache (ModelDrafter.shares_target_cache):
+it attends to the target's keys and values for the whole context, and nothing is fed twice (the other backends keep
+a KV cache of their own, re-synced to `state.tokens`, which feeds a whole prompt on its first round).
+Extra memory: the int8 weights with their scales; float32 norms if the target is not float32; the draft KV cache
+for the backends that keep one.
 """
 
 from __future__ import annotations
@@ -133,4 +135,5 @@ class QuantDrafter(CopyDrafter):
     def __init__(self, model, *, backend: str, weight_bytes: int, lean=None) -> None:
         super().__init__(model, lean=lean)
         self.backend, self.weight_bytes = backend, weight_bytes
+        self.shares_target_cache = backend == "int8"  # the target's layout: the lean runner's KVCache
 
