@@ -577,17 +577,25 @@ def test_build_defaults_refusals_and_what_it_keeps(target):
 
 
 def test_lowrank_drafts_are_the_factored_copys_own(target):
-    """On the lean runner (MLPs factored) and on HF's forward (an attention projection factored): q is the softmax
-    of the factored copy's HF logits."""
+    """On the lean runner (MLPs factored) q is the softmax of the factored copy's HF logits over the target's own keys
+    and values for the context (it drafts on the target's cache); on HF's forward (an attention projection factored)
+    over its own cache, all of the copy's."""
+    from transformers import DynamicCache
+
     for opts in ({"rank": 4}, {"rank": 4, "lowrank_targets": ("q_proj", "gate_proj")}):
         d = lowrank.LowRankDrafter.build(target, calibration=16, **opts)
         state = TargetState(target)
         state.start(PROMPT)
         proposal = d.propose(state, 3, T1, torch.Generator().manual_seed(0))
-        seq = list(PROMPT)
-        for j in range(3):
-            torch.testing.assert_close(proposal.q[j], torch.softmax(ref_logits(d.model, seq), -1), atol=1e-5, rtol=1e-4)
-            seq.append(int(proposal.ids[j]))
+        assert d.sharing == (d.lean is not None) and d.sharing == ("lowrank_targets" not in opts)
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            (target if d.sharing else d.model)(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True)
+            feed = PROMPT[-1:]
+            for j in range(3):
+                want = torch.softmax(d.model(torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1], -1)
+                torch.testing.assert_close(proposal.q[j], want, atol=1e-5, rtol=1e-4)
+                feed = [int(proposal.ids[j])]
         assert (proposal.q[0] - torch.softmax(ref_logits(target, PROMPT), -1)).abs().max() > 1e-4  # not the target
 
 

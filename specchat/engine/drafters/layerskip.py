@@ -5,6 +5,12 @@ residual stream than in the full model, so its keys and values differ from the t
 not be mixed into the target cache. Skipped layers' cache slots
 stay empty. Extra memory: that cache (K/V of the kept layers), no weights.
 
+Drafting on the target's cache instead (reading the target's keys and values for the context and writing only the
+positions the verify overwrites, as quant and lowrank do: ModelDrafter.shares_target_cache) raised greedy
+acceptance from 0.60 to 0.72 on the default model (benchmarks/RESULTS.md), but tune's teacher-forced replay
+(tune/search.py), which predicts this loop exactly, assumes a cache of the draft's own; it stays so until the
+replay models the shared one.
+
 Where the target runs on the lean runner (engine/runner.py) the draft pass runs the kept layers through
 its entry points on a KVCache of its own, and the verify is the state's own (the lean forward of all
 layers). On the HF path the draft pass and the verify run HF's layer modules one by one (Decoder): the
