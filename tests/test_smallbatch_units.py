@@ -284,6 +284,11 @@ def test_int8_weights_round_per_row_and_widen(monkeypatch):
     torch.testing.assert_close(q.scale, torch.tensor([1 / 127, torch.finfo(torch.float32).tiny, 2.0]))
     torch.testing.assert_close(q.float(), torch.tensor([[1.0, -38 / 127, 76 / 127], [0.0, 0.0, 0.0], [-254.0, 128.0, 0.0]]))
     assert q.shape == (3, 3) and q.nbytes == 9 + 12
+    for rows in (1, 2):  # rounded a few rows at a time: the same numbers, the last chunk short
+        chunked = smallbatch.Int8Weights.of(w, rows=rows)
+        assert torch.equal(chunked.q, q.q) and torch.equal(chunked.scale, q.scale)
+    half = smallbatch.Int8Weights.of(w.to(torch.bfloat16), rows=2)  # a bfloat16 matrix: its float32 values rounded
+    assert torch.equal(half.q, q.q) and half.scale.dtype == torch.float32
     monkeypatch.setattr(smallbatch, "_fn_int8", None)  # no kernel: F.linear on the widening
     x = torch.randn(2, 3)
     with torch.inference_mode():
