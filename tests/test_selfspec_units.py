@@ -606,3 +606,13 @@ def test_lean_draft(target):
     assert [b.mlp is draft.model.layers[i].mlp if i in (1, 3) else b.mlp is None for i, b in enumerate(runner.blocks)] == [True] * 4
     assert lowrank.lean_draft(target, draft, lowrank.chosen_linears(target, 4, ("o_proj",))) is None
     assert lowrank.lean_draft(hf_only(target), draft, chosen) is None
+
+
+def test_only_a_draft_on_the_targets_cache_has_nothing_to_catch_up_on(target):
+    """auto skips the first round of a drafter that catches up (it feeds what it missed): a draft model, or lowrank on
+    HF's forward; lowrank and quant on the lean runner draft on the target's cache."""
+    assert not lowrank.LowRankDrafter.build(target, calibration=16, rank=4).catches_up
+    assert lowrank.LowRankDrafter.build(target, calibration=16, rank=4, lowrank_targets=("q_proj",)).catches_up
+    assert not build_drafter("quant", target, quant_backend="int8").catches_up
+    assert build_drafter("quant", target, quant_backend="torch.ao").catches_up
+    assert build_drafter("draft", target, tiny_llama(seed=1, layers=1)).catches_up

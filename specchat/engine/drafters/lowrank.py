@@ -199,6 +199,7 @@ def lean_draft(target, draft, chosen) -> Runner | None:
 
 class LowRankDrafter(CopyDrafter):
     name = "lowrank"
+    shares_target_cache = True  # where it runs on the lean runner
 
     @classmethod
     def build(
@@ -218,8 +219,6 @@ class LowRankDrafter(CopyDrafter):
             raise ModeUnavailable(f"--rank {rank!r} factors no layer (at full rank every layer keeps its weights)")
         model, extra = low_rank_copy(target, chosen, calibration, factor_store)
         return cls(model, rank=rank, extra_bytes=extra, n_factored=len(chosen), lean=lean_draft(target, model, chosen))
-
-    shares_target_cache = True  # where it runs on the lean runner
 
     def __init__(self, model, *, rank, extra_bytes: int = 0, n_factored: int = 0, lean: Runner | None = None) -> None:
         super().__init__(model, lean=lean)

@@ -85,8 +85,9 @@ class ModelDrafter(Drafter):
 
     @property
     def catches_up(self) -> bool:
-        """Its first round after a prompt or another mode's rounds feeds every position it missed."""
-        return not self.shares_target_cache
+        """Its first round after a prompt or another mode's rounds feeds every position it missed (a draft on the
+        lean runner that shares the target's cache has nothing to feed; an HF-path draft keeps a cache of its own)."""
+        return not (self.shares_target_cache and self.lean is not None)
 
     def use_target_cache(self, state) -> None:
         """Draft on the target's cache when this drafter shares it and the target runs on the lean runner; the
