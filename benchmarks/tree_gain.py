@@ -16,7 +16,15 @@ position (2K + 1). The predictions take each variant's tokens per round over the
 the verify curve's increment; the curve is measured in this run (a verify of n positions against a plain step,
 the lean runner, interleaved).
 
+The suffix drafter's drafts are deterministic (q one-hot), so its second candidate is not drawn from q: it is the
+continuation seen second most often after the same matched context (`second_continuations`, free to draft). For
+deterministic candidates the exact rule is sampling without replacement from p (SpecInfer's rule for deterministic
+drafts): after x1's rejection, x2 is accepted with probability p_j(x2) / (1 - p_j(x1)), the residual's mass on x2;
+greedy, when x2 is the target's argmax. `--conversations` runs the multi-turn chats of multiturn.py, where suffix
+matches are longest.
+
     python benchmarks/tree_gain.py --modes quant,head --temperature 0.7 --top-p 0.9
+    python benchmarks/tree_gain.py --modes suffix --temperature 0,0.7 --conversations
     python benchmarks/tree_gain.py --check    # beta() against a brute force and a simulation of the rule
 """
 
@@ -95,6 +103,22 @@ def check_beta(trials: int = 5, draws: int = 20000) -> None:
               f"(alpha {alpha:.3f}; total variation of the simulated output from p: {tv:.4f})")
 
 
+def second_continuations(drafter, tokens: list[int], ids: list[int]) -> list[int | None]:
+    """For each of the suffix drafter's drafts `ids` after `tokens`: the continuation seen second most often (ties:
+    the latest) after the context the draft was taken from, or None where there is no other."""
+    match = drafter.match(tokens)
+    if match is None:
+        return [None] * len(ids)
+    automaton, state, _ = match
+    seconds = []
+    for token in ids:
+        others = [(automaton.count[child], automaton.recent[child], t) for t, child in automaton.next[state].items()
+                  if t >= 0 and t != token]
+        seconds.append(max(others)[2] if others else None)
+        state = automaton.next[state][token]
+    return seconds
+
+
 def verify_curve(session: Session, sizes: list[int], reps: int = 50) -> dict[int, float]:
     """The cost of verifying n positions in plain steps (n = 1), on the session's target, interleaved."""
     state = session.state
@@ -117,7 +141,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=HERE / "heldout-prompts.jsonl")
     ap.add_argument("--modes", default="quant,head")
     ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--temperature", default="0.7", help="one or more, comma-separated")
+    ap.add_argument("--conversations", action="store_true", help="the multi-turn chats of multiturn.py instead of --prompts")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seeds", type=int, default=2)
@@ -127,19 +152,40 @@ def main() -> None:
         check_beta()
         return
     target = load_model(None, torch.device("cpu"), torch.float32)
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
-    sampling = SamplingParams(args.temperature, 0, args.top_p)
+    if args.conversations:
+        from multiturn import CONVERSATIONS
+
+        chats = list(CONVERSATIONS.values())
+    else:
+        chats = [[json.loads(line)["prompt"]] for line in args.prompts.read_text().splitlines() if line.strip()]
+    for temperature in (float(t) for t in args.temperature.split(",")):
+        measure(target, chats, SamplingParams(temperature, 0, args.top_p), args)
+
+
+def measure(target, chats: list[list[str]], sampling: SamplingParams, args) -> None:
     plain = Session(target, mode="off", k=args.k, sampling=sampling, seed=0, earlier_sessions=False)
     k = args.k
     curve = verify_curve(plain, [k + 1, k + 2, 2 * k + 1])
-    print("verify curve (plain steps): " + ", ".join(f"v({n})={v:.2f}" for n, v in curve.items()))
+    print(f"T={sampling.temperature:g}, top-p {sampling.top_p:g}; verify curve (plain steps): "
+          + ", ".join(f"v({n})={v:.2f}" for n, v in curve.items()))
     for mode in args.modes.split(","):
         stats, gain_first, gain_all, rounds, rejections = Stats(), 0.0, 0.0, 0, 0
         alphas, betas = [], []
         for seed in range(args.seeds):
-            for prompt in prompts:
+            for turns in chats:
                 session = Session(target, mode=mode, k=k, sampling=sampling, seed=seed, max_new_tokens=args.max_new_tokens,
                                   earlier_sessions=False)
+                seconds: list[int | None] = []
+                if mode == "suffix":  # record each round's second continuations as it drafts
+                    drafter = session.controls.drafter
+                    propose = drafter.propose
+
+                    def propose_and_record(state, k, params, generator, drafter=drafter, propose=propose):
+                        proposal = propose(state, k, params, generator)
+                        seconds[:] = second_continuations(drafter, state.tokens, proposal.ids.tolist())
+                        return proposal
+
+                    drafter.propose = propose_and_record
 
                 def on_probs(new, p, q):
                     nonlocal gain_first, gain_all, rounds, rejections
@@ -149,7 +195,12 @@ def main() -> None:
                         return
                     rounds += 1
                     if n < drafted:  # the round's first rejection, at position n
-                        a, b = beta(p[n], q[n])
+                        if mode == "suffix":
+                            x1, x2 = int(q[n].argmax()), seconds[n]
+                            a = float(p[n, x1])
+                            b = 0.0 if x2 is None or a >= 1 else float(p[n, x2]) / (1 - a)
+                        else:
+                            a, b = beta(p[n], q[n])
                         alphas.append(a)
                         betas.append(b)
                         rejections += 1
@@ -157,7 +208,8 @@ def main() -> None:
                         gain_first += b if n == 0 else 0.0
 
                 session.controls.on_probs = on_probs
-                list(session.reply(prompt))
+                for text in turns:
+                    list(session.reply(text))
                 for turn in session.turns:
                     for r in turn.rounds:
                         stats.add(r)

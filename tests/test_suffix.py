@@ -308,3 +308,22 @@ def test_distribution_test_catches_a_broken_rule_with_one_hot_q(peaked, record_p
     record_property("p_value", fit.p_value)
     assert_drafted_up_to(stats, 3)
     assert fit.p_value < 1e-6, fit
+
+
+def test_second_continuations_are_the_next_most_frequent():
+    """benchmarks/tree_gain.py measures a 2-way branch from the continuation seen second most often after the context
+    each draft came from: hand-worked on a context where [1, 2] was followed by 3 twice and by 4 once, and [1, 2, 3]
+    by 1 only."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "tree_gain.py"
+    spec = importlib.util.spec_from_file_location("tree_gain", path)
+    tree_gain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree_gain)
+    drafter = SuffixDrafter()
+    tokens = [1, 2, 3, 1, 2, 4, 2, 3, 7, 1, 2, 3, 1, 1, 2]
+    ids = drafts(drafter, tokens, k=2)
+    assert ids == [3, 1]  # [1, 2] -> 3 (2 of 3), then [1, 2, 3] -> 1
+    assert tree_gain.second_continuations(drafter, tokens, ids) == [4, None]  # [1, 2, 3] was followed by 1 only
+    assert tree_gain.second_continuations(drafter, [5, 6], [9]) == [None]  # no match
