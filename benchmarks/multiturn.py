@@ -10,6 +10,7 @@ are paired with mode off's run of the same conversation and repetition. auto run
 
     python benchmarks/multiturn.py --reps 2                      # the default model on llama.cpp
     python benchmarks/multiturn.py --reps 2 --engine torch       # the same GGUF dequantised on torch (float32)
+    python benchmarks/multiturn.py --modes off,suffix,suffix:8   # a mode:K runs that mode with K drafts (else --k)
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ def main() -> None:
         for i, (name, turns) in enumerate(CONVERSATIONS.items()):
             shift = (rep + i) % len(modes)
             for mode in modes[shift:] + modes[:shift]:
-                session = Session(target, mode=mode, k=args.k, sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
+                name_, _, k = mode.partition(":")
+                session = Session(target, mode=name_, k=int(k or args.k), sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
                                   earlier_sessions=False)
                 results[name][mode].append(run_conversation(session, turns))
                 print(f"  {name} {mode}: {results[name][mode][-1][0] / results[name][mode][-1][1]:.1f} tok/s", file=sys.stderr, flush=True)
     print(f"load average after: {os.getloadavg()}", file=sys.stderr)
 
-    print(f"\n{Path(args.target).name if args.target else 'default model'}, {args.engine}, greedy, K={args.k}, "
+    print(f"\n{Path(args.target).name if args.target else 'default model'}, {args.engine}, greedy, K={args.k} (mode:K: K), "
           f"{args.max_new_tokens} tokens a turn at most, {args.reps} reps\n")
     print("| conversation | turns | off tok/s | " + " | ".join(f"{m} × off" for m in modes[1:]) + " | same replies | rounds by mode (auto) |")
     print("|---|---|---|" + "---|" * (len(modes) - 1) + "---|---|")

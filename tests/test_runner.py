@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from helpers import tiny_llama
+from specchat.engine import smallbatch
 from specchat.engine.cache import KVCache, forward_logits, new_cache
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.model import ModelDrafter
@@ -27,6 +28,7 @@ from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import lean_runner, unsupported
 from specchat.engine.sampling import SamplingParams
+from specchat.engine.smallbatch import Int8Weights, draft_weights
 from specchat.engine.target import TargetState
 
 VOCAB = 32
@@ -226,3 +228,78 @@ def test_bf16_matches_hf_forward(family):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, hf_logits(model, ids, len(ids)), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(runner.step([7, 8], cache, len(ids), keep=2), hf_logits(model, ids + [7, 8], 2), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------- the C decoder layer (smallbatch.layer)
+
+needs_c_layer = pytest.mark.skipif(not smallbatch.layer_usable(), reason="the fused kernel is not built here")
+WEIGHTS = {"float32": lambda w: w, "bfloat16": draft_weights, "int8": Int8Weights.of}
+
+
+def run_both(monkeypatch, runner, ids, past, rows):
+    """(logits, keys, values) of `rows` positions fed after `past`, with the C layer and with PyTorch's."""
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(smallbatch, "layers_enabled", fused)
+        cache = runner.new_cache()
+        if past:
+            runner.step(ids[:past], cache, 0, keep=1)
+        logits = runner.step(ids[past : past + rows], cache, past, keep=rows)
+        end = past + rows
+        out[fused] = logits, [k[:, :, :end] for k in cache.keys], [v[:, :, :end] for v in cache.values]
+    return out[True], out[False]
+
+
+@needs_c_layer
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_c_layer_computes_what_pytorchs_layer_does(monkeypatch, family, weights):
+    """Logits and the K/V written, for 1, 3 and 16 rows after no past and after 37 positions (a prefill PyTorch runs:
+    more than 16 rows), within float32 rounding, for every family (biases, q/k norms, a head_dim of its own) and
+    every kind of weight a draft keeps."""
+    runner = lean_runner(tiny(family, tie=False))
+    runner = runner.with_weights(WEIGHTS[weights]) if weights != "float32" else runner
+    with torch.inference_mode():
+        assert all(runner._fused_layers(torch.zeros(1, 1, 32), runner.new_cache()))  # every layer runs in C
+    rng = random.Random(3)
+    ids = [rng.randrange(VOCAB) for _ in range(60)]
+    for past, rows in ((0, 1), (0, 16), (37, 1), (37, 3), (37, 16)):
+        fused, torch_layer = run_both(monkeypatch, runner, ids, past, rows)
+        for a, b in zip(fused, torch_layer):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_c_layer
+def test_a_c_layer_row_does_not_depend_on_the_rows_fed_with_it_or_the_threads():
+    """Bit for bit: a verify's row is what a one-position step gives (greedy identity rests on it)."""
+    runner = lean_runner(tiny("qwen3", tie=False))
+    rng = random.Random(4)
+    ids = [rng.randrange(VOCAB) for _ in range(40)]
+    cache = runner.new_cache()
+    runner.step(ids[:20], cache, 0, keep=1)
+    many = runner.step(ids[20:36], cache, 20, keep=16)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cache.crop(20)
+            one = torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(20, 36)])
+            assert torch.equal(many, one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_c_layer
+def test_pytorch_runs_what_the_c_layer_does_not_take(monkeypatch):
+    """More than 16 rows, a batch of rows, or a layer whose MLP a draft replaced (lowrank) runs PyTorch's layer."""
+    runner = lean_runner(tiny("llama", tie=False))
+    calls = []
+    monkeypatch.setattr(smallbatch, "layer", lambda *args: calls.append(args))
+    cache = runner.new_cache()
+    runner.step(list(range(17)), cache, 0, keep=1)
+    assert calls == []
+    other = runner.with_mlps({1: torch.nn.Identity()})
+    with torch.inference_mode():
+        assert runner._fused_layers(torch.zeros(2, 1, 32), runner.new_cache(rows=2)) is None
+        assert [L is None for L in other._fused_layers(torch.zeros(1, 1, 32), other.new_cache())] == [False, True, False]
+    assert runner._fused_layers(torch.zeros(1, 1, 32), runner.new_cache()) is None  # training: autograd needs PyTorch

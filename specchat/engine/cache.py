@@ -28,16 +28,22 @@ class KVCache:
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, H_kv, S, hd] at positions past..past+S-1 of layer i; return the layer's keys and
         values for positions 0..past+S-1 (views, [B, H_kv, past + S, hd])."""
+        end = past + k.shape[2]
+        keys, values = self.reserve(i, past, k.shape[2])
+        keys[:, :, past:end].copy_(k)
+        values[:, :, past:end].copy_(v)
+        return keys[:, :, :end], values[:, :, :end]
+
+    def reserve(self, i: int, past: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's whole storage, keys and values [B, H_kv, capacity, hd], with room for positions past..past+n-1,
+        which the layer now holds: the caller fills them (`write`, or the fused C layer in place)."""
         if past > self.lengths[i]:
             raise ValueError(f"layer {i} holds {self.lengths[i]} positions; cannot write at {past}")
-        end = past + k.shape[2]
-        keys = self.keys[i]
-        if keys is None or keys.shape[2] < end:
+        end = past + n
+        if self.keys[i] is None or self.keys[i].shape[2] < end:
             self._grow(i, end)
-        self.keys[i][:, :, past:end].copy_(k)
-        self.values[i][:, :, past:end].copy_(v)
         self.lengths[i] = end
-        return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        return self.keys[i], self.values[i]
 
     def _grow(self, i: int, needed: int) -> None:
         capacity = -(-needed // CHUNK) * CHUNK

@@ -18,6 +18,10 @@ RoPE cos/sin come from the model's own rotary embedding module (so every static 
 default, linear, llama3, yarn -- and its attention scaling match HF exactly), evaluated once for a
 table of positions that grows with the cache.
 
+Where the fused kernel is loaded, a layer over at most 16 rows of float32 runs as one C call instead of ~20 eager
+ops (smallbatch.layer: the same arithmetic, rows independent of each other; within float32 rounding of the
+PyTorch layer, which runs everything else: longer prompts, bfloat16, other activations, batched rows).
+
 Per-layer entry points (`embed`, `run` over any subset of layers at a given past length, `logits`)
 serve the self-speculative drafters (layerskip, earlyexit) and tune; they have Decoder's signatures.
 """
@@ -32,8 +36,9 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
+from specchat.engine import smallbatch
 from specchat.engine.cache import CHUNK, KVCache
-from specchat.engine.smallbatch import draft_weights, linear
+from specchat.engine.smallbatch import MAX_ROWS, draft_weights, linear
 
 FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at init (dynamic and longrope change with length)
@@ -246,12 +251,29 @@ class Runner:
         if cache is None and past:
             raise ValueError("without a cache there is no past to attend to")
         cos, sin = self.rope(past, q_len)
+        fused = self._fused_layers(hidden, cache)
         mask = None
-        if q_len > 1 and past > 0:  # an offset causal mask, shared by the packed GQA rows
+        if q_len > 1 and past > 0 and (fused is None or None in fused):  # an offset causal mask, shared by the packed GQA rows
             mask = self.mask(q_len, past, hidden.device).repeat(self.n_rep, 1)  # [n_rep S, past + S]
+        if fused is not None:
+            hidden = hidden.contiguous().clone()  # the C layers update it in place; the caller's tensor stays
         for i in layer_ids:
-            hidden = self.layer(i, hidden, cache, past, cos, sin, mask)
+            hidden = self.layer(i, hidden, cache, past, cos, sin, mask, fused)
         return hidden
+
+    def _fused_layers(self, hidden: torch.Tensor, cache) -> "list | None":
+        """Per layer, the C layer's weights (None: that layer runs in PyTorch), or None when no layer runs in C for
+        this call: the kernel not loaded, not float32 on the CPU, batched rows, more than MAX_ROWS rows, no KVCache."""
+        if not (
+            smallbatch.layer_usable() and isinstance(cache, KVCache) and cache.rows == 1 and cache.dtype == torch.float32
+            and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and hidden.shape[0] == 1
+            and 1 <= hidden.shape[1] <= MAX_ROWS and not torch.is_grad_enabled()
+        ):
+            return None
+        if getattr(self, "_fused_for", None) is not self.blocks:  # built once per set of blocks (copies have their own)
+            self._fused = [smallbatch.layer_weights(b, self.shape) for b in self.blocks]
+            self._fused_for = self.blocks
+        return self._fused
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -268,7 +290,12 @@ class Runner:
         return self.forward(ids, range(self.n_layers), cache, past, keep)
 
     # ------------------------------------------------------------ one layer
-    def layer(self, i, h, cache, past, cos, sin, mask) -> torch.Tensor:
+    def layer(self, i, h, cache, past, cos, sin, mask, fused=None) -> torch.Tensor:
+        """Layer i on h [1, S, D]: in C where `fused` (from _fused_layers) has its weights, updating h in place."""
+        if fused is not None and fused[i] is not None:
+            keys, values = cache.reserve(i, past, h.shape[1])  # [1, H_kv, capacity, hd] each
+            smallbatch.layer(fused[i], h, cos[0, :, 0], sin[0, :, 0], keys, values, past)
+            return h
         return decoder_layer(self.blocks[i], self.shape, h, cache, i, past, cos, sin, mask)
 
 

@@ -7,6 +7,10 @@ cache: models.load_model passes it, the engine knows no folders) and loads it wi
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
 where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.
 
+`layer` runs a whole decoder layer of the lean runner for up to 16 rows in the same library (smallbatch_layer):
+its ~20 small eager ops (RMSNorms, RoPE, SDPA, adds) cost about 9 ms of a default-model step on the reference CPU,
+the C code microseconds.
+
 Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
 (`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
 read a half or a quarter of the bytes and compute in float32 as before.
@@ -33,10 +37,12 @@ SOURCE = Path(__file__).with_name("kernels") / "smallbatch.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 enabled = os.environ.get("SPECCHAT_KERNEL", "fused") != "torch"  # benchmarks flip it to compare in one process
+layers_enabled = True  # whether `layer` runs (benchmarks flip it to compare the C layer with PyTorch's)
 _lib: ctypes.CDLL | None = None
 _fn = None  # its smallbatch_linear
 _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
+_fn_layer = None  # and smallbatch_layer (a whole decoder layer)
 _lock = threading.Lock()
 
 
@@ -85,7 +91,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer
     with _lock:
         if _fn is None:
             try:
@@ -100,7 +106,11 @@ def load(folder: Path) -> bool:
                 fn.restype = ctypes.c_int
                 pointers = 5 if fn is fns[2] else 4  # x, w, (scale,) b, y
                 fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_long] * 3 + [ctypes.c_int]
-            _lib, (_fn, _fn_bf16, _fn_int8) = lib, fns
+            layer = lib.smallbatch_layer
+            layer.restype = ctypes.c_int
+            ptr, long = ctypes.c_void_p, ctypes.c_long  # L, h, S, cos, sin, keys, values, capacity, past, threads
+            layer.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, ptr, ptr, ptr, ptr, long, long, ctypes.c_int]
+            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer = lib, fns, layer
     return True
 
 
@@ -204,3 +214,68 @@ def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tenso
     else:
         fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------- a whole decoder layer
+
+SILU = {"SiLU", "SiLUActivation"}  # torch's module, transformers' (both F.silu)
+KINDS = {torch.float32: 4, torch.bfloat16: 2}  # the C code's weight kinds by bytes per weight; Int8Weights: 1
+
+
+class LayerWeights(ctypes.Structure):
+    """kernels/smallbatch.c's `struct layer`: one decoder layer's weights as pointers, and its shape."""
+
+    _fields_ = [
+        ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("w", ctypes.c_void_p * 4), ("scale", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p * 4), ("kind", ctypes.c_int * 4),
+        ("D", ctypes.c_long), ("H", ctypes.c_long), ("Hkv", ctypes.c_long), ("hd", ctypes.c_long), ("I", ctypes.c_long),
+        ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+    ]
+
+
+def layer_weights(block, shape) -> "LayerWeights | None":
+    """The C struct for a runner's Block (engine/runner.py) and Shape, or None where the C layer does not reproduce
+    it: another activation than SiLU, a replaced MLP (lowrank), weights other than float32 / bfloat16 / Int8Weights,
+    norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
+    if not layer_usable() or block.mlp is not None or type(block.act).__name__ not in SILU:
+        return None
+    vectors = [block.ln1, block.ln2, block.q_norm, block.k_norm, block.qkv_b, block.o_b, block.gate_up_b, block.down_b]
+    if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()) for t in vectors):
+        return None
+    matrices = [block.qkv_w, block.o_w, block.gate_up_w, block.down_w]
+    L = LayerWeights()
+    L.tensors = [t for t in vectors if t is not None]
+    for m, w in enumerate(matrices):
+        if isinstance(w, Int8Weights):
+            L.w[m], L.scale[m], L.kind[m] = w.q.data_ptr(), w.scale.data_ptr(), 1
+            L.tensors += [w.q, w.scale]
+        elif w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
+            L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
+            L.tensors.append(w)
+        else:
+            return None
+    for m, b in enumerate(vectors[4:]):
+        L.bias[m] = b.data_ptr() if b is not None else None
+    L.ln1, L.ln2 = block.ln1.data_ptr(), block.ln2.data_ptr()
+    L.q_norm = block.q_norm.data_ptr() if block.q_norm is not None else None
+    L.k_norm = block.k_norm.data_ptr() if block.k_norm is not None else None
+    L.D, L.H, L.Hkv, L.hd = block.ln1.shape[0], shape.n_heads, shape.n_kv_heads, shape.head_dim
+    L.I = block.down_w.shape[1]
+    L.eps, L.qk_eps, L.attn_scale = block.eps, block.qk_eps, shape.scale
+    return L
+
+
+def layer_usable() -> bool:
+    return enabled and layers_enabled and _fn_layer is not None
+
+
+def layer(L: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, keys: torch.Tensor,
+          values: torch.Tensor, past: int) -> None:
+    """One decoder layer in C on h [1, S, D] in place (float32, contiguous, S <= MAX_ROWS), its K/V written at
+    positions past..past+S-1 of keys, values [1, H_kv, capacity, hd] (float32, contiguous); cos, sin_signed
+    [S, hd] contiguous (engine/runner.py's tables)."""
+    S = h.shape[1]
+    status = _fn_layer(ctypes.byref(L), h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(),
+                       values.data_ptr(), keys.shape[2], past, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the fused decoder layer could not run ({S} rows at position {past})")
