@@ -218,36 +218,120 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
     memcpy(x, r, hd * sizeof(float));
 }
 
+/* the sum of a vector's lanes by halves (a serial sum of 16 lanes would cost more than the dot product it ends) */
+static inline float hsum_tree(vec v) {
+#if LANES == 16
+    typedef float half8 __attribute__((vector_size(8 * sizeof(float))));
+    half8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    typedef float half8 __attribute__((vector_size(8 * sizeof(float))));
+    half8 a = v;
+#endif
+    typedef float half4 __attribute__((vector_size(4 * sizeof(float))));
+    half4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 static inline float dot(const float *a, const float *b, long n) {
     vec acc = {0};
     long i = 0;
     for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
-    float s = hsum(acc);
+    float s = hsum_tree(acc);
     for (; i < n; i++) s = __builtin_fmaf(a[i], b[i], s);
     return s;
 }
 
-/* out[hd] = softmax(scale * q . K[0..n-1]) V, over one KV head's rows (stride hd); p: n floats of scratch */
-static void attend(const float *q, const float *k, const float *v, long n, long hd, float scale, float *p, float *out) {
-    float m = -INFINITY;
-    for (long j = 0; j < n; j++) {
-        p[j] = scale * dot(q, k + j * hd, hd);
-        if (p[j] > m) m = p[j];
-    }
-    float sum = 0.0f;
-    for (long j = 0; j < n; j++) sum += p[j] = expf(p[j] - m);
-    for (long d = 0; d < hd; d++) out[d] = 0.0f;
-    for (long j = 0; j < n; j++) {
-        const float pj = p[j];
-        const float *vj = v + j * hd;
-        long d = 0;
-        for (; d + LANES <= hd; d += LANES) {
-            vec o = load(out + d) + pj * load(vj + d);
-            memcpy(out + d, &o, sizeof o);
+/* e^x for LANES floats at once (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^k by the
+   exponent bits; within 2 ulp of expf for x in [-87, 88], clamped outside): libm's expf one float at a time was
+   most of a long context's attention (an exponential per score) */
+static inline vec vselect(ivec mask, vec a, vec b) { /* a where mask is all ones, else b */
+    ivec ia, ib;
+    memcpy(&ia, &a, sizeof a);
+    memcpy(&ib, &b, sizeof b);
+    ia = (ia & mask) | (ib & ~mask);
+    memcpy(&a, &ia, sizeof a);
+    return a;
+}
+
+static inline vec vexp(vec x) {
+    const vec hi = x - x + 88.3762626647949f, lo = x - x - 87.3365447504019f;
+    x = vselect(x > hi, hi, x);
+    x = vselect(x < lo, lo, x);
+    const vec magic = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
+    const vec k = (x * 1.44269504088896341f + magic) - magic;
+    const vec r = x - k * 0.693359375f - k * -2.12194440e-4f;
+    vec p = x - x + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;
+    vec scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* e^x for one float, the same arithmetic (the tails past the last full vector) */
+static inline float sexp(float x) {
+    vec v = {0};
+    v[0] = x;
+    return vexp(v)[0];
+}
+
+/* out[r, hd] = softmax(scale * q_a . K[0..n-1]) V for the r query heads a that share one KV head (rows of stride
+   hd): each key and value is read once for all r. p: r * (n + 1) floats of scratch. Head a's sums run in the same
+   order whatever r is. */
+static void attend(const float *q, long r, const float *k, const float *v, long n, long hd, float scale, float *p,
+                   float *out) {
+    float *sum = p + r * n;
+    for (long j = 0; j < n; j++)
+        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, k + j * hd, hd);
+    for (long a = 0; a < r; a++) {
+        float *pa = p + a * n, m = -INFINITY;
+        for (long j = 0; j < n; j++) m = pa[j] > m ? pa[j] : m;
+        vec total = {0};
+        long j = 0;
+        for (; j + LANES <= n; j += LANES) {
+            vec e = vexp(load(pa + j) - m);
+            memcpy(pa + j, &e, sizeof e);
+            total += e;
         }
-        for (; d < hd; d++) out[d] = __builtin_fmaf(pj, vj[d], out[d]);
+        float t = hsum_tree(total);
+        for (; j < n; j++) t += pa[j] = sexp(pa[j] - m);
+        sum[a] = t;
     }
-    for (long d = 0; d < hd; d++) out[d] /= sum;
+    for (long a = 0; a < r; a++) {
+        const float *pa = p + a * n;
+        float *o = out + a * hd;
+        long d = 0;
+        for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of the output stay in registers over all keys */
+            vec acc[4] = {0};
+            for (long j = 0; j < n; j++)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) acc[c] += pa[j] * load(v + j * hd + d + c * LANES);
+            for (int c = 0; c < 4; c++) {
+                const vec y = acc[c] / sum[a];
+                memcpy(o + d + c * LANES, &y, sizeof y);
+            }
+        }
+        for (; d < hd; d++) {
+            float acc = 0.0f;
+            for (long j = 0; j < n; j++) acc = __builtin_fmaf(pa[j], v[j * hd + d], acc);
+            o[d] = acc / sum[a];
+        }
+    }
+}
+
+/* SiLU(gate) * up over n floats */
+static void silu_mul(const float *gate, const float *up, float *y, long n) {
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vec g = load(gate + i), e = g / (1.0f + vexp(-g)) * load(up + i);
+        memcpy(y + i, &e, sizeof e);
+    }
+    for (; i < n; i++) y[i] = gate[i] / (1.0f + sexp(-gate[i])) * up[i];
 }
 
 /* h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values [Hkv, capacity, hd] with
@@ -276,13 +360,13 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
             memcpy(values + (g * capacity + past + s) * hd, row + (H + Hkv + g) * hd, hd * sizeof(float));
         }
     }
-    /* row s of head j attends to positions 0..past+s of its KV head; work items (s, j) in any order */
-    const long items = S * H;
-    const int parallel = threads > 1 && (past + S) * items * hd > 65536;
+    /* row s of the query heads sharing KV head g attends to positions 0..past+s; work items (s, g) in any order */
+    const long items = S * Hkv;
+    const int parallel = threads > 1 && (past + S) * S * H * hd > 65536;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        float *p = malloc(sizeof(float) * (past + S));
+        float *p = malloc(sizeof(float) * n_rep * (past + S + 1));
         if (!p) {
 #pragma omp atomic write
             failed = 1;
@@ -290,9 +374,9 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
 #pragma omp for schedule(static)
         for (long it = 0; it < items; it++) {
             if (!p) continue;
-            const long s = it / H, j = it % H, g = j / n_rep;
-            attend(qkv + s * Q + j * hd, keys + g * capacity * hd, values + g * capacity * hd, past + s + 1, hd,
-                   L->attn_scale, p, att + (s * H + j) * hd);
+            const long s = it / Hkv, g = it % Hkv;
+            attend(qkv + s * Q + g * n_rep * hd, n_rep, keys + g * capacity * hd, values + g * capacity * hd,
+                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd);
         }
         free(p);
     }
@@ -302,11 +386,7 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
 
     for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln2, L->eps, x + s * D, D);
     if (linear_of(x, L, 2, gu, S, 2 * I, D, threads)) goto done;
-    for (long s = 0; s < S; s++)
-        for (long i = 0; i < I; i++) {
-            const float g = gu[s * 2 * I + i];
-            act[s * I + i] = g / (1.0f + expf(-g)) * gu[s * 2 * I + I + i];
-        }
+    for (long s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
     if (linear_of(act, L, 3, y, S, D, I, threads)) goto done;
     for (long i = 0; i < S * D; i++) h[i] += y[i];
     status = 0;
