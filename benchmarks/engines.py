@@ -1,9 +1,9 @@
 """The engines side by side on one GGUF file: llama.cpp's own plain decoding, specchat on the llama.cpp engine (off,
-auto, draft), specchat on the torch engine (off), and optionally llama.cpp's `llama-bench` and `llama-speculative`.
+auto, draft), specchat on the torch engine (off, or --torch-modes), and optionally llama.cpp's `llama-bench` and `llama-speculative`.
 One process, every configuration interleaved per prompt and repetition, greedy unless --temperature says otherwise.
 
     python benchmarks/engines.py [--target FILE.gguf] [--draft FILE.gguf] [--prompts benchmarks/heldout-prompts.jsonl]
-        [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch]
+        [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch | --torch-modes off,quant,auto]
         [--llama-bench PATH] [--llama-speculative PATH]
 
 "llama.cpp plain" is the reference every ratio is taken against: a Python loop that feeds one token per llama_decode
@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--temperature", default="0")
     ap.add_argument("--modes", default="off,auto")
     ap.add_argument("--no-torch", action="store_true", help="leave out specchat on the torch engine")
+    ap.add_argument("--torch-modes", default="off", help="the modes specchat runs on the torch engine too (greedy)")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     ap.add_argument("--llama-speculative", default=None, help="path of llama.cpp's llama-speculative binary (needs --draft)")
     args = ap.parse_args()
@@ -117,7 +118,8 @@ def main() -> None:
             sessions[f"llama.cpp {mode} T={t:g}"] = Session(target, draft, mode=mode, k=args.k, sampling=params, seed=0)
         if not args.no_torch and t == 0:
             torch_target = load_model(args.target, cpu, torch.float32)
-            sessions["torch off T=0"] = Session(torch_target, None, mode="off", sampling=params, seed=0)
+            for mode in args.torch_modes.split(","):
+                sessions[f"torch {mode} T=0"] = Session(torch_target, None, mode=mode, k=args.k, sampling=params, seed=0)
     names = ["llama.cpp plain", *sessions]
     if args.llama_bench:
         names.append("llama-bench tg")
