@@ -220,16 +220,13 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
 
 /* the sum of a vector's lanes by halves (a serial sum of 16 lanes would cost more than the dot product it ends) */
 static inline float hsum_tree(vec v) {
-#if LANES == 16
-    typedef float half8 __attribute__((vector_size(8 * sizeof(float))));
-    half8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    typedef float half8 __attribute__((vector_size(8 * sizeof(float))));
-    half8 a = v;
-#endif
-    typedef float half4 __attribute__((vector_size(4 * sizeof(float))));
-    half4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+    float t[LANES];
+    memcpy(t, &v, sizeof v);
+#pragma GCC unroll 8
+    for (int w = LANES / 2; w >= 1; w /= 2)
+#pragma GCC unroll 8
+        for (int l = 0; l < w; l++) t[l] += t[l + w];
+    return t[0];
 }
 
 static inline float dot(const float *a, const float *b, long n) {
