@@ -239,6 +239,8 @@ def layer_weights(block, shape) -> "LayerWeights | None":
     norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
     if not layer_usable() or block.mlp is not None or type(block.act).__name__ not in SILU:
         return None
+    if shape.head_dim > 512 or shape.n_heads % shape.n_kv_heads:  # the C code's limits
+        return None
     vectors = [block.ln1, block.ln2, block.q_norm, block.k_norm, block.qkv_b, block.o_b, block.gate_up_b, block.down_b]
     if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()) for t in vectors):
         return None

@@ -238,9 +238,6 @@ static inline float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-/* e^x for LANES floats at once (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^k by the
-   exponent bits; within 2 ulp of expf for x in [-87, 88], clamped outside): libm's expf one float at a time was
-   most of a long context's attention (an exponential per score) */
 static inline vec vselect(ivec mask, vec a, vec b) { /* a where mask is all ones, else b */
     ivec ia, ib;
     memcpy(&ia, &a, sizeof a);
@@ -250,14 +247,17 @@ static inline vec vselect(ivec mask, vec a, vec b) { /* a where mask is all ones
     return a;
 }
 
+/* e^x for LANES floats at once (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^k by the
+   exponent bits; within 2 ulp of expf for x in [-87, 88], clamped outside): libm's expf one float at a time was
+   most of a long context's attention (an exponential per score) */
 static inline vec vexp(vec x) {
-    const vec hi = x - x + 88.3762626647949f, lo = x - x - 87.3365447504019f;
+    const vec zero = {0}, hi = zero + 88.3762626647949f, lo = zero - 87.3365447504019f;
     x = vselect(x > hi, hi, x);
     x = vselect(x < lo, lo, x);
-    const vec magic = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
+    const vec magic = zero + 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
     const vec k = (x * 1.44269504088896341f + magic) - magic;
     const vec r = x - k * 0.693359375f - k * -2.12194440e-4f;
-    vec p = x - x + 1.9875691500e-4f;
+    vec p = zero + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
@@ -332,7 +332,8 @@ static void silu_mul(const float *gate, const float *up, float *y, long n) {
 }
 
 /* h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values [Hkv, capacity, hd] with
-   capacity >= past + S. Returns 0, or -1 for a shape it does not take (the caller runs PyTorch's layer). */
+   capacity >= past + S. Returns 0, or -1 for a shape it does not take or memory it could not get (the caller
+   checks the shapes first: smallbatch.layer_weights). */
 int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, float *keys,
                      float *values, long capacity, long past, int threads) {
     const long D = L->D, H = L->H, Hkv = L->Hkv, hd = L->hd, I = L->I, n_rep = H / Hkv, Q = (H + 2 * Hkv) * hd;
