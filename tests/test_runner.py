@@ -2,7 +2,11 @@
 (prefill, one-token steps, multi-token verifies after rollbacks), greedy identity with HF generate through
 the loop, no second copy of the weights, the one-forward prefill, and the HF fallback for the rest."""
 
+import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +309,45 @@ def test_pytorch_runs_what_the_c_layer_does_not_take(monkeypatch):
         assert runner._fused_layers(torch.zeros(2, 1, 32), runner.new_cache(rows=2)) is None
         assert [L is None for L in other._fused_layers(torch.zeros(1, 1, 32), other.new_cache())] == [False, True, False]
     assert runner._fused_layers(torch.zeros(1, 1, 32), runner.new_cache()) is None  # training: autograd needs PyTorch
+
+
+LAYER_BUILT_FOR = """
+import pathlib, random, sys, torch
+sys.path.insert(0, sys.argv[3])
+from specchat.engine import smallbatch
+smallbatch.FLAGS[1] = sys.argv[1]
+assert smallbatch.load(pathlib.Path(sys.argv[2])) and smallbatch.layer_usable()
+from test_runner import VOCAB, WEIGHTS, tiny
+from specchat.engine.runner import lean_runner
+rng = random.Random(3)
+ids = [rng.randrange(VOCAB) for _ in range(60)]
+with torch.inference_mode():
+    for kind, convert in WEIGHTS.items():
+        runner = lean_runner(tiny("qwen3", tie=False, head_dim=64)).with_weights(convert)
+        for past, rows in ((0, 16), (37, 1), (37, 3), (37, 16)):
+            out = {}
+            for fused in (True, False):
+                smallbatch.layers_enabled = fused
+                cache = runner.new_cache()
+                if past:
+                    runner.step(ids[:past], cache, 0, keep=1)
+                out[fused] = runner.step(ids[past : past + rows], cache, past, keep=rows)
+            torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+        smallbatch.layers_enabled = True
+        cache = runner.new_cache()
+        runner.step(ids[:20], cache, 0, keep=1)
+        many = runner.step(ids[20:36], cache, 20, keep=16)
+        cache.crop(20)
+        assert torch.equal(many, torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(20, 36)])), kind
+print("ok")
+"""
+
+
+@needs_c_layer
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2 without AVX-512 is an x86 build")
+def test_the_c_layer_built_for_avx2_only(tmp_path):
+    """The same checks on a build for a CPU with AVX2 and no AVX-512 (-march=znver2, as an AMD machine builds it:
+    8 lanes, the generic lane sum), which this machine's own build never takes."""
+    run = subprocess.run([sys.executable, "-c", LAYER_BUILT_FOR, "-march=znver2", str(tmp_path), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -220,6 +220,11 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
 
 /* the sum of a vector's lanes by halves (a serial sum of 16 lanes would cost more than the dot product it ends) */
 static inline float hsum_tree(vec v) {
+#if defined(__AVX512F__)
+    __m512 m;
+    memcpy(&m, &v, sizeof v);
+    return _mm512_reduce_add_ps(m);
+#endif
     float t[LANES];
     memcpy(t, &v, sizeof v);
 #pragma GCC unroll 8
