@@ -92,8 +92,8 @@ def main() -> None:
         for i, (name, turns) in enumerate(CONVERSATIONS.items()):
             shift = (rep + i) % len(modes)
             for mode in modes[shift:] + modes[:shift]:
-                name_, _, k = mode.partition(":")
-                session = Session(target, mode=name_, k=int(k or args.k), sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
+                mode_name, _, k = mode.partition(":")
+                session = Session(target, mode=mode_name, k=int(k or args.k), sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
                                   earlier_sessions=False)
                 results[name][mode].append(run_conversation(session, turns))
                 print(f"  {name} {mode}: {results[name][mode][-1][0] / results[name][mode][-1][1]:.1f} tok/s", file=sys.stderr, flush=True)
