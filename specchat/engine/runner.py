@@ -165,6 +165,7 @@ class Runner:
         self.blocks = [self._block(layer) for layer in inner.layers]
         self.n_layers = len(self.blocks)
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)  # [P, hd]
+        self._fused, self._fused_for = None, None  # the C layers' weights, and the blocks they were built for
 
     @staticmethod
     def _block(layer) -> Block:
@@ -256,7 +257,7 @@ class Runner:
         if q_len > 1 and past > 0 and (fused is None or None in fused):  # an offset causal mask, shared by the packed GQA rows
             mask = self.mask(q_len, past, hidden.device).repeat(self.n_rep, 1)  # [n_rep S, past + S]
         if fused is not None:
-            hidden = hidden.contiguous().clone()  # the C layers update it in place; the caller's tensor stays
+            hidden = hidden.clone(memory_format=torch.contiguous_format)  # the C layers update it in place; the caller's stays
         for i in layer_ids:
             hidden = self.layer(i, hidden, cache, past, cos, sin, mask, fused)
         return hidden
@@ -270,7 +271,7 @@ class Runner:
             and 1 <= hidden.shape[1] <= MAX_ROWS and not torch.is_grad_enabled()
         ):
             return None
-        if getattr(self, "_fused_for", None) is not self.blocks:  # built once per set of blocks (copies have their own)
+        if self._fused_for is not self.blocks:  # built once per set of blocks (with_weights/with_mlps copies have their own)
             self._fused = [smallbatch.layer_weights(b, self.shape) for b in self.blocks]
             self._fused_for = self.blocks
         return self._fused

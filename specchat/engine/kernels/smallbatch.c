@@ -218,13 +218,15 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
     memcpy(x, r, hd * sizeof(float));
 }
 
-/* the sum of a vector's lanes by halves (a serial sum of 16 lanes would cost more than the dot product it ends) */
+/* the sum of a vector's lanes by halves, for attention's dot products over a head (4 vectors of 64 floats), where a
+   serial sum of the lanes (`hsum`, which the matrices keep: their sums end D / LANES vectors) would cost more than
+   the products */
 static inline float hsum_tree(vec v) {
 #if defined(__AVX512F__)
     __m512 m;
     memcpy(&m, &v, sizeof v);
     return _mm512_reduce_add_ps(m);
-#endif
+#else
     float t[LANES];
     memcpy(t, &v, sizeof v);
 #pragma GCC unroll 8
@@ -232,6 +234,7 @@ static inline float hsum_tree(vec v) {
 #pragma GCC unroll 8
         for (int l = 0; l < w; l++) t[l] += t[l + w];
     return t[0];
+#endif
 }
 
 static inline float dot(const float *a, const float *b, long n) {
