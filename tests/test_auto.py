@@ -9,8 +9,8 @@ import pytest
 from helpers import (PROMPT, SAMPLING_CASES, ResampleFromP, WrongTemperatureFrom, assert_verdict, bigram_draft, run,
                      sample_and_fit)
 from specchat.engine.drafters import build_drafter
-from specchat.engine.drafters.auto import (FIRST_WAIT, HALF_LIFE_DAYS, MAX_WAIT, MIN_ROUNDS, REMEMBERED_WAIT, WARMUP,
-                                           AutoDrafter, Rate)
+from specchat.engine.drafters.auto import (DECAY, FIRST_WAIT, HALF_LIFE_DAYS, MAX_TRAIL, MAX_WAIT, MIN_ROUNDS,
+                                           REMEMBERED_WAIT, WARMUP, WINDOW, AutoDrafter, Rate)
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.drafters.suffix import SuffixDrafter
 from specchat.engine.drafters.model import ModelDrafter
@@ -128,16 +128,34 @@ def _now() -> float:
     return time.time()
 
 
-def test_a_slower_mode_is_re_measured_less_and_less_often():
-    """Each re-measurement of the head is two rounds: one to catch up on what it missed, one counted."""
+@pytest.mark.parametrize("head_speed", [80.0, 20.0])
+def test_a_slower_mode_is_re_measured_less_and_less_often(head_speed):
+    """Each re-measurement of the head is two rounds: one to catch up on what it missed, one counted. The waits
+    stretch by how far the head trails (1.25x, then 5x: capped at MAX_TRAIL)."""
+    trail = min(100.0 / head_speed, MAX_TRAIL)
     auto = scripted_auto()
-    chosen = play(auto, {"off": 100.0, "head": 80.0}, 2 * WARMUP + 1 + 400)[2 * WARMUP + 1 :]
+    chosen = play(auto, {"off": 100.0, "head": head_speed}, 2 * WARMUP + 1 + int(400 * trail))[2 * WARMUP + 1 :]
     visits = [i for i, m in enumerate(chosen) if m == "head" and chosen[i - 1] != "head"]
     assert all(chosen[i : i + 3] == ["head", "head", "off"] for i in visits)
     gaps = [b - a for a, b in zip(visits, visits[1:])]
-    assert gaps and gaps[0] > FIRST_WAIT and all(b >= a for a, b in zip(gaps, gaps[1:]))  # the wait doubles
-    assert max(gaps) <= MAX_WAIT + 2  # up to a limit: an estimate is never older than that
+    assert len(gaps) >= 3 and gaps[0] > FIRST_WAIT * trail and all(b >= a for a, b in zip(gaps, gaps[1:]))  # doubling
+    assert MAX_WAIT * trail < max(gaps) <= MAX_WAIT * trail + 2  # up to a limit: an estimate is never older than that
     assert chosen.count("off") > 0.93 * len(chosen)  # nothing pays: almost every round is plain
+
+
+def test_a_rate_measured_long_ago_gives_way_to_a_new_round():
+    """Against a new round, an estimate weighs WINDOW - 1 rounds when measured just before, half that DECAY rounds
+    later, and never less than one round: a change of load reaches a rarely run arm's estimate at its next round."""
+    def measured(gap):
+        rate = Rate()
+        for at in range(1, WINDOW + 1):
+            rate.add(1.0, 0.01, at)  # 100 tok/s
+        rate.add(1.0, 0.02, WINDOW + gap)  # 50 tok/s: the machine got busy
+        return rate.tokens / rate.seconds
+
+    assert measured(1) == pytest.approx(1 / (0.01 + (0.02 - 0.01) / WINDOW))
+    assert measured(1 + DECAY) == pytest.approx(1 / (0.01 + (0.02 - 0.01) / (1 + (WINDOW - 1) / 2)))
+    assert measured(1000) == pytest.approx(1 / 0.015)  # at most half: one round is noisy
 
 
 def test_a_catching_up_round_is_not_counted():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specchat.engine.drafters.auto import AutoDrafter, Rate, setting_key
+from specchat.engine.drafters.auto import MAX_TRAIL, AutoDrafter, Rate, setting_key
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.errors import ModeUnavailable
@@ -328,20 +328,27 @@ def test_a_challenger_is_measured_while_its_upper_bound_is_above_the_leaders_rat
     assert auto.choose([1])[0] == "draft"
 
 
-def test_a_losing_arm_is_re_measured_after_its_wait_which_doubles_up_to_64():
-    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0, draft=150.0)
+def test_a_losing_arm_is_re_measured_after_its_wait_which_doubles_up_to_64_times_its_trail():
+    auto = settled(auto_with("head", "draft"), off=100.0, head=200.0, draft=150.0)  # draft trails by 4/3, off by 2
     auto.rounds = 40
     for arm in auto.rates.values():
         arm.last = 30
-    auto.rates["draft"].last = 24  # 40 - 24 = 16: not over its wait of 16
+    auto.rates["draft"].last = 19  # 40 - 19 = 21: not over its wait of 16 * 4/3
     assert auto.choose([1])[0] == "head"
-    auto.rates["draft"].last = 23  # 17 rounds
+    auto.rates["draft"].last = 18  # 22 rounds
     assert auto.choose([1]) == ("draft", "re-measuring draft") and auto.rates["draft"].wait == 32
     auto.rates["draft"].wait = 40
-    auto.rates["draft"].last, auto.rounds = 0, 41
+    auto.rates["draft"].last, auto.rounds = 0, 53  # 53 rounds: not over 40 * 4/3
+    assert auto.choose([1])[0] == "head"
+    auto.rounds = 54
     assert auto.choose([1])[0] == "draft" and auto.rates["draft"].wait == 64  # 80 capped
     auto.rates["off"].last, auto.rounds = 199, 200
     assert auto.choose([1])[0] == "draft" and auto.rates["draft"].wait == 64  # not beyond
+    auto.rates["draft"] = rate(20.0, rounds=20)  # 10x behind: the trail counts up to MAX_TRAIL
+    auto.rates["draft"].last, auto.rates["draft"].wait = 200 - 16 * MAX_TRAIL, 16
+    assert auto.choose([1])[0] == "head"
+    auto.rates["draft"].last -= 1
+    assert auto.choose([1])[0] == "draft"
 
 
 def test_the_incumbent_stays_unless_another_is_more_than_five_percent_faster():
