@@ -131,8 +131,8 @@ def _now() -> float:
 @pytest.mark.parametrize("head_speed", [80.0, 20.0])
 def test_a_slower_mode_is_re_measured_less_and_less_often(head_speed):
     """Each re-measurement of the head is two rounds: one to catch up on what it missed, one counted. The waits
-    stretch by how far the head trails (1.25x, then 5x: capped at MAX_TRAIL)."""
-    trail = min(100.0 / head_speed, MAX_TRAIL)
+    stretch by how far the head trails (1.25x, then 5x) times those two rounds (here alike), at most MAX_TRAIL."""
+    trail = min(100.0 / head_speed * 2, MAX_TRAIL)
     auto = scripted_auto()
     chosen = play(auto, {"off": 100.0, "head": head_speed}, 2 * WARMUP + 1 + int(400 * trail))[2 * WARMUP + 1 :]
     visits = [i for i, m in enumerate(chosen) if m == "head" and chosen[i - 1] != "head"]

@@ -21,8 +21,8 @@ How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that
 (up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + SPREAD/sqrt(rounds), an
 upper bound that narrows as rounds come in, is above the leader's (a UCB-style race, so a warm-up costs little
 where one mode is clearly ahead). Then each round runs the best, except that a candidate not run for a while runs
-again (its wait doubles each time it loses, up to MAX_WAIT rounds, times how far it trails the leader, up to
-MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is faster
+again (its wait doubles each time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the
+rounds a re-measurement takes, up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is faster
 by more than HYSTERESIS (switching drafters costs a resync).
 
 What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
@@ -85,6 +85,7 @@ class Rate:
     earlier: int = 0  # rounds measured in earlier sessions (what `rounds` starts from weighs less: PRIOR_ROUNDS)
     live: int = 0  # rounds measured in this session
     measured_at: float = 0.0  # unix time of the latest measurement (kept with the rate between sessions)
+    catch_up_s: float = 0.0  # seconds of its latest catching-up round (a drafter with a cache of its own), not counted
 
     @classmethod
     def remembered(cls, entry: dict, now: float) -> "Rate | None":
@@ -226,13 +227,21 @@ class AutoDrafter(Drafter):
             if arm != best and rates[arm].rounds < WARMUP and rates[arm].upper > rates[best].per_s:
                 return arm, f"measuring {arm}: it may beat {best}"
         for arm in eligible:
-            trail = min(max(rates[best].per_s / max(rates[arm].per_s, 1e-9), 1.0), MAX_TRAIL)
-            if arm != best and self.rounds - rates[arm].last > rates[arm].wait * trail:
+            if arm != best and self.rounds - rates[arm].last > rates[arm].wait * self.trail(arm, best):
                 rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
                 return arm, f"re-measuring {arm}"
         if self.arm in eligible and rates[self.arm].per_s * (1 + HYSTERESIS) >= rates[best].per_s:
             best = self.arm
         return best, self.explain(best, eligible)
+
+    def trail(self, arm: str, best: str) -> float:
+        """How much longer `arm` waits to be re-measured: how far it trails the leader, times what a re-measurement
+        costs in its rounds (a cached drafter's catching-up round too: a draft model's prefill of a new prompt cost
+        ~2 of its rounds on the Qwen pair), from 1 up to MAX_TRAIL."""
+        rate = self.rates[arm]
+        behind = self.rates[best].per_s / max(rate.per_s, 1e-9)
+        rounds = 1 + rate.catch_up_s / rate.seconds if rate.seconds > 0 else 1.0
+        return min(max(behind * rounds, 1.0), MAX_TRAIL)
 
     def explain(self, best: str, eligible: list[str]) -> str:
         others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
@@ -245,8 +254,10 @@ class AutoDrafter(Drafter):
         catching_up = getattr(drafter, "catches_up", False) and record.mode != self.ran
         self.ran = record.mode
         self.caught_up = self.arm if catching_up else None
-        if catching_up:
-            return  # its draft time includes feeding what it missed: not this mode's cost per round
+        if catching_up:  # its draft time includes feeding what it missed: not this mode's cost per round
+            if self.arm in self.rates:
+                self.rates[self.arm].catch_up_s = record.draft_s + record.verify_s  # what its next re-measurement costs more
+            return
         if not record.drafted and record.index == 0:
             return  # round 0 without drafts: its token came with the prefill, there is no step to time
         # the arm that ran, credited with what it gave, drafts or none: a drafter that proposes nothing (a head
