@@ -195,6 +195,25 @@ def test_paired_ratio_and_greedy_identity_failure():
     assert runner.greedy_identity([runner.Config("off", 0, 0.0)], runs)["verdict"] == "not run"
 
 
+def test_auto_is_paired_with_the_fastest_exact_single_mode_at_its_k_and_temperature():
+    def row(config, mode, t, speedup, exact=True, peer=False):
+        k = 0 if mode == "off" else int(config.split("K=")[1].split()[0])
+        return {"config": config, "mode": mode, "k": k, "temperature": t, "speedup": speedup, "exact": exact, "peer": peer}
+
+    def run(config, prompt, tps):
+        return {"config": config, "prompt": prompt, "repeat": 0, "tokens_per_s": tps}
+
+    rows = [row("off T=0", "off", 0.0, 1.0), row("quant K=4 T=0", "quant", 0.0, 1.7), row("head K=4 T=0", "head", 0.0, 1.2),
+            row("quant K=4 T=0 typical", "quant", 0.0, 2.5, exact=False), row("hf-assisted K=4 T=0", "hf-assisted", 0.0, 3.0, peer=True),
+            row("suffix K=4 T=0.7", "suffix", 0.7, 9.0), row("quant K=8 T=0", "quant", 0.0, 1.9), row("auto K=4 T=0", "auto", 0.0, 1.6)]
+    runs = [run("quant K=4 T=0", "a", 50.0), run("quant K=4 T=0", "b", 40.0),
+            run("auto K=4 T=0", "a", 45.0), run("auto K=4 T=0", "b", 48.0)]
+    # neither an approximate rule, a peer, another K nor another temperature is auto's rival; quant at K=4 is, paired
+    # prompt by prompt
+    assert runner.against_best(rows, rows[-1], runs) == {"config": "quant K=4 T=0", "ratio": pytest.approx((0.9 + 1.2) / 2)}
+    assert runner.against_best([rows[-1]], rows[-1], runs) is None
+
+
 # ---------------------------------------------------------------- bad input, before any model loads
 
 

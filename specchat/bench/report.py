@@ -78,6 +78,10 @@ def markdown(results: dict) -> str:
           fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
           memory_cell(r), quality_cell(r, checks)] for r in rows],
     ))
+    against = [(r["config"], r["vs_best"]) for r in rows if r.get("vs_best") and r["vs_best"]["ratio"] is not None]
+    if against:
+        out += [""] + [f"- {config} against the fastest single mode, `{best['config']}`: {fmt(best['ratio'])}x "
+                       "(median of paired ratios, same prompt and repeat)" for config, best in against]
     if results["peers"]:
         out += ["", "## Hugging Face peers (same models, prompts, K and sampling; end-to-end tok/s including the prefill)", ""]
         out.append(table(

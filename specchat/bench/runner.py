@@ -208,7 +208,21 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
             row["overhead_ms_per_round"] = _overhead_ms(ctx.stats.get(cfg.label))
             row.update(predict(cfg, ctx.steady.get(cfg.label), ctx.steady.get(plain), row["speedup"]))
         rows.append(row)
+    for row in rows:
+        if row["mode"] == "auto" and not row["peer"]:
+            row["vs_best"] = against_best(rows, row, runs)
     return rows
+
+
+def against_best(rows: list[dict], auto: dict, runs: list[dict]) -> dict | None:
+    """auto paired with the fastest exact single mode at its K and temperature (plain decoding included): what auto
+    is for. Paired directly rather than as a ratio of two speedups, which carries the noise of three configurations."""
+    rivals = [r for r in rows if not r["peer"] and r["exact"] and r["mode"] != "auto" and r["k"] in (auto["k"], 0)
+              and r["temperature"] == auto["temperature"] and r["speedup"] is not None]
+    if not rivals:
+        return None
+    best = max(rivals, key=lambda r: r["speedup"])
+    return {"config": best["config"], "ratio": paired_ratio(runs, auto["config"], best["config"], "tokens_per_s")}
 
 
 def _overhead_ms(stats: Stats | None) -> float | None:
