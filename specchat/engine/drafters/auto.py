@@ -8,8 +8,9 @@ draws, and every candidate is exact, so `auto` is exact too.
 What it measures: per mode and sampling setting (acceptance depends on the temperature), tokens per second of
 engine time (draft + verify) over its recent rounds, exponentially weighted, so a change of load reaches the
 estimates of the modes that run; an estimate weighs less against a new round the longer its arm went unmeasured
-(halved every DECAY rounds), so it reaches a rarely run arm's estimate at its next round (before, a load spike
-that slowed the leader let a stale, calmer estimate of the head win for 25 rounds of a reply). A round's tokens are counted as their expectation given its drafts
+(halved every DECAY rounds), so the change reaches a rarely run arm's estimate at its next round (before, a load
+spike that slowed the leader let a stale, calmer estimate of the head win for 25 rounds of a reply). A round's
+tokens are counted as their expectation given its drafts
 (RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
 accept/reject draw that happened. A round counts for the mode that ran it, also when it drafted nothing (a
 plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the
@@ -22,8 +23,8 @@ How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that
 upper bound that narrows as rounds come in, is above the leader's (a UCB-style race, so a warm-up costs little
 where one mode is clearly ahead). Then each round runs the best, except that a candidate not run for a while runs
 again (its wait doubles each time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the
-rounds a re-measurement takes, up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is faster
-by more than HYSTERESIS (switching drafters costs a resync).
+rounds a re-measurement takes, up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the
+incumbent is kept unless another is faster by more than HYSTERESIS (switching drafters costs a resync).
 
 What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
 machine): after each reply the session saves every arm's rate; a new session starts from them, so its first
@@ -66,8 +67,8 @@ HALF_LIFE_DAYS = 7.0
 REMEMBERED_WAIT = 8  # an arm known only from earlier sessions runs again after this many rounds
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 DECAY = 16  # an estimate weighs half as much against a new round for every DECAY auto rounds it went unmeasured
-FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss,
-MAX_TRAIL = 4  # times how far it trails the leader (up to MAX_TRAIL): a far slower arm is re-measured more rarely
+FIRST_WAIT, MAX_WAIT = 16, 64  # rounds before a losing candidate runs again, doubling after each loss (times `trail`)
+MAX_TRAIL = 4  # the most a wait stretches for an arm far behind the leader, or costly to re-measure (catching up)
 HYSTERESIS = 0.05  # another mode must be this much faster to replace the one running
 # the suffix drafter's arms: a long match predicts a copy, a 2-token one is a guess
 MATCH_ARMS = ((6, "suffix≥6"), (3, "suffix3-5"), (1, "suffix2"))  # (shortest match, arm), longest first
