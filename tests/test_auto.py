@@ -47,17 +47,32 @@ class Memory:
         self.rates, self.saves = rates, self.saves + 1
 
 
-def play(auto, speeds: dict[str, float], rounds: int, tokens: list[int] | None = None) -> list[str]:
+def round_record(*, tokens, draft_len=4, **fields) -> SimpleNamespace:
+    """What auto reads of a RoundRecord: `tokens` as the ids of its token events."""
+    return SimpleNamespace(tokens=[SimpleNamespace(id=t) for t in tokens], draft_len=draft_len, **fields)
+
+
+def play(auto, speeds: dict[str, float], rounds: int, text: list[int] | None = None) -> list[str]:
     """Run `rounds` rounds in which mode m emits speeds[m] tokens per second of engine time (one token per
-    0.01 s for plain decoding, drafting modes 2 tokens a round); returns the modes chosen."""
-    chosen = []
+    0.01 s for plain decoding, drafting modes 2 tokens a round in 2 / speeds[m] s, suffix as many as a real round
+    would: its drafts that `text` matches, plus one), the next ones of `text` (default: ids that never repeat,
+    where suffix has no match); returns the modes chosen."""
+    text = text if text is not None else list(range(1, 10_000))
+    tokens, chosen = text[:3], []
     for i in range(rounds):
-        mode = auto.for_round(SimpleNamespace(tokens=tokens or [1, 2, 3]), T1).name
+        mode = auto.for_round(SimpleNamespace(tokens=tokens), T1).name
         chosen.append(mode)
-        emitted = 1 if mode == "off" else 2
-        record = SimpleNamespace(mode=mode, drafted=0 if mode == "off" else 2, index=i + 1, tokens=[0] * emitted,
-                                 expected_tokens=emitted, stop_reason=None, draft_s=0.0, verify_s=emitted / speeds[mode])
+        drafted, emitted = (0, 1) if mode == "off" else (2, 2)
+        if mode == "suffix":
+            drafts, _ = auto.candidates["suffix"].drafts(tokens, 4)
+            follows = text[len(tokens) : len(tokens) + len(drafts)]
+            drafted = len(drafts)
+            emitted = 1 + next((j for j, (a, b) in enumerate(zip(drafts, follows)) if a != b), len(drafts))
+        new = text[len(tokens) : len(tokens) + emitted]
+        record = round_record(mode=mode, drafted=drafted, index=i + 1, tokens=new, expected_tokens=emitted,
+                              stop_reason=None, draft_s=0.0, verify_s=(1 if mode == "off" else 2) / speeds[mode])
         auto.observe(record)
+        tokens = tokens + new
     return chosen
 
 
@@ -162,14 +177,14 @@ def test_a_catching_up_round_is_not_counted():
     """After another mode ran, or a reset, a cached drafter's first round feeds every position it missed."""
     auto = scripted_auto()
     head = dict(mode="head", drafted=2, tokens=[0, 0], expected_tokens=2.0, stop_reason=None, draft_s=0.5, verify_s=0.01)
-    auto.observe(SimpleNamespace(index=1, **head))
+    auto.observe(round_record(index=1, **head))
     assert auto.rates["head"].rounds == 0
-    auto.observe(SimpleNamespace(index=2, **head))
+    auto.observe(round_record(index=2, **head))
     assert auto.rates["head"].rounds == 1
     auto.reset()
-    auto.observe(SimpleNamespace(index=1, **head))
+    auto.observe(round_record(index=1, **head))
     assert auto.rates["head"].rounds == 1
-    auto.observe(SimpleNamespace(mode="off", drafted=0, index=2, tokens=[0], expected_tokens=1.0, stop_reason=None,
+    auto.observe(round_record(mode="off", drafted=0, index=2, tokens=[0], expected_tokens=1.0, stop_reason=None,
                                  draft_s=0.0, verify_s=0.01))
     assert auto.rates["off"].rounds == 1  # plain decoding has nothing to catch up on
 
@@ -182,12 +197,31 @@ def test_a_change_of_load_moves_the_choice():
     assert later[16:].count("head") <= 4  # within a window head's estimate has slowed down: only re-measured since (2 rounds a time)
 
 
-def test_suffix_runs_only_where_it_has_a_match():
+def test_suffix_runs_only_where_it_has_a_match_and_pays():
+    """Its rounds and its shadows both measure it: a text that repeats is drafted right, and suffix wins."""
     auto = scripted_auto(suffix=True)
-    no_repeat = [5, 6, 7, 8]
-    assert "suffix" not in play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 20, tokens=no_repeat)
-    repeats = [5, 6, 7, 8, 5, 6]  # "5 6" occurred before: suffix can draft "7 8"
-    assert play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 20, tokens=repeats)[-10:].count("suffix") >= 8  # (head re-measured)
+    speeds = {"off": 100.0, "head": 130.0, "suffix": 300.0}
+    assert "suffix" not in play(auto, speeds, 20)  # no repeats: no match, no suffix
+    assert sum(auto.rates[arm].rounds for arm in ("suffix2", "suffix3-5", "suffix≥6")) == 0
+    chosen = play(auto, speeds, 40, text=[5, 6, 7, 8] * 40)  # a loop: every draft matches
+    assert chosen[-10:].count("suffix") >= 8  # (head re-measured)
+    assert auto.rates["suffix≥6"].rounds > chosen.count("suffix")  # shadows of the rounds other modes ran, too
+
+
+def test_shadows_keep_suffix_off_where_its_drafts_miss():
+    """A text whose repeats lead elsewhere every time: suffix has matches, its drafts are wrong, and the shadows say
+    so (each 1 token at a verify's cost) without running it, once a verify longer than one position has a cost:
+    the head's here; with plain decoding alone (llama.cpp), suffix's own first round."""
+    text = [t for i in range(200) for t in (1, 2, 1000 + i)]  # "1 2" repeats, followed by a new id each time
+    speeds = {"off": 100.0, "head": 130.0, "suffix": 300.0}
+    auto = scripted_auto(suffix=True)
+    chosen = play(auto, speeds, 60, text=text)
+    assert "suffix" not in chosen and "head" in chosen[:5]
+    assert auto.rates["suffix2"].rounds > 5 and auto.rates["suffix2"].tokens == pytest.approx(1.0)
+    auto = AutoDrafter({"off": PlainDecoding(), "suffix": SuffixDrafter()})
+    chosen = play(auto, {"off": 100.0, "suffix": 150.0}, 60, text=text)  # its verify: 2 / 150 s, a token 75 tok/s
+    assert chosen.count("suffix") == 1 and chosen.index("suffix") == MIN_ROUNDS  # right after plain's warm-up
+    assert auto.rates["suffix2"].rounds > 5 and auto.rates["suffix2"].per_s < 100
 
 
 def test_suffix_is_measured_per_length_of_its_match():
@@ -196,17 +230,17 @@ def test_suffix_is_measured_per_length_of_its_match():
     assert auto.match_arm(copying) == "suffix≥6" and auto.match_arm([1, 2, 9, 8, 1, 2]) == "suffix2"
     assert auto.match_arm([1, 2, 3, 9, 2, 3]) == "suffix2" and auto.match_arm([5, 1, 2, 3, 9, 1, 2, 3]) == "suffix3-5"
     assert auto.match_arm([1, 2, 3, 4]) is None
-    play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 3 * WARMUP, tokens=copying)
-    assert auto.rates["suffix≥6"].rounds > 0 and auto.rates["suffix2"].rounds == 0
+    play(auto, {"off": 100.0, "head": 130.0, "suffix": 300.0}, 3 * WARMUP, text=copying * 10)
+    assert auto.rates["suffix≥6"].rounds > max(auto.rates["suffix2"].rounds, auto.rates["suffix3-5"].rounds)
 
 
 def test_a_round_without_drafts_counts_for_the_mode_that_ran_it():
     auto = scripted_auto()
     auto.ran = auto.arm = "head"  # (its catching-up round is behind it)
-    auto.observe(SimpleNamespace(mode="head", drafted=0, index=3, tokens=[1], expected_tokens=1.0, stop_reason=None,
+    auto.observe(round_record(mode="head", drafted=0, index=3, tokens=[1], expected_tokens=1.0, stop_reason=None,
                                  draft_s=0.002, verify_s=0.01))
     assert auto.rates["head"].rounds == 1 and auto.rates["off"].rounds == 0
-    auto.observe(SimpleNamespace(mode="off", drafted=0, index=0, tokens=[1], expected_tokens=1.0, stop_reason=None,
+    auto.observe(round_record(mode="off", drafted=0, index=0, tokens=[1], expected_tokens=1.0, stop_reason=None,
                                  draft_s=0.0, verify_s=0.0))  # prefill's token
     assert auto.rates["off"].rounds == 0
 
@@ -219,7 +253,7 @@ def test_a_candidate_that_never_drafts_finishes_its_warm_up_and_loses():
     for i in range(4 * WARMUP):
         mode = auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), T1).name
         chosen.append(mode)
-        auto.observe(SimpleNamespace(mode=mode, drafted=0, index=i + 1, tokens=[0], expected_tokens=1.0, stop_reason=None,
+        auto.observe(round_record(mode=mode, drafted=0, index=i + 1, tokens=[0], expected_tokens=1.0, stop_reason=None,
                                      draft_s=0.003 if mode == "head" else 0.0, verify_s=0.01))
     assert MIN_ROUNDS <= auto.rates["head"].rounds <= WARMUP
     # the rest is plain decoding, but for the head's re-measurement (a catching-up round and a counted one)
@@ -237,10 +271,10 @@ def test_estimates_are_kept_per_sampling_setting():
 def test_a_round_counts_its_expected_tokens():
     auto = scripted_auto()
     auto.ran = "head"
-    auto.observe(SimpleNamespace(mode="head", drafted=2, index=3, tokens=[1], expected_tokens=1.8, stop_reason=None,
+    auto.observe(round_record(mode="head", drafted=2, index=3, tokens=[1], expected_tokens=1.8, stop_reason=None,
                                  draft_s=0.0, verify_s=0.01))
     assert auto.rates["head"].tokens == pytest.approx(1.8)
-    auto.observe(SimpleNamespace(mode="head", drafted=2, index=4, tokens=[1], expected_tokens=1.8, stop_reason="eos",
+    auto.observe(round_record(mode="head", drafted=2, index=4, tokens=[1], expected_tokens=1.8, stop_reason="eos",
                                  draft_s=0.0, verify_s=0.01))  # a round cut short: what it emitted
     assert auto.rates["head"].tokens == pytest.approx(1.4)
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specchat.engine.drafters.auto import MAX_TRAIL, AutoDrafter, Rate, setting_key
+from specchat.engine.drafters.auto import MAX_TRAIL, AutoDrafter, Rate, Shadow, setting_key
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.errors import ModeUnavailable
@@ -18,6 +18,7 @@ from specchat.engine.sampling import SamplingParams
 DAY = 86400.0
 T1 = SamplingParams(1.0)
 T1_KEY = "T=1 top_k=0 top_p=1"
+GREEDY = SamplingParams(0.0)
 
 
 class Named(Drafter):
@@ -32,14 +33,17 @@ class Named(Drafter):
 
 
 class Suffix(Named):
-    """A suffix drafter whose match length is scripted."""
+    """A suffix drafter whose match length and drafts are scripted."""
 
-    def __init__(self, length: int = 0) -> None:
+    def __init__(self, length: int = 0, drafts: tuple[int, ...] = ()) -> None:
         super().__init__("suffix")
-        self.length = length
+        self.length, self.scripted = length, list(drafts)
 
     def match_length(self, tokens) -> int:
         return self.length
+
+    def drafts(self, tokens, k) -> tuple[list[int], float]:
+        return self.scripted[:k], 1.0 if self.scripted else 0.0
 
 
 class Memory:
@@ -65,9 +69,9 @@ def rate(per_s: float, rounds: int = 6, last: int = 0, wait: int = 16, **kw) -> 
     return Rate(per_s, 1.0, rounds=rounds, last=last, wait=wait, **kw)
 
 
-def record(mode, *, drafted=2, index=5, tokens=(0, 0), expected=2.0, stop=None, draft_s=0.25, verify_s=0.75):
-    return SimpleNamespace(mode=mode, drafted=drafted, index=index, tokens=list(tokens), expected_tokens=expected,
-                           stop_reason=stop, draft_s=draft_s, verify_s=verify_s)
+def record(mode, *, drafted=2, index=5, tokens=(0, 0), expected=2.0, stop=None, draft_s=0.25, verify_s=0.75, draft_len=4):
+    return SimpleNamespace(mode=mode, drafted=drafted, index=index, tokens=[SimpleNamespace(id=t) for t in tokens],
+                           expected_tokens=expected, stop_reason=stop, draft_s=draft_s, verify_s=verify_s, draft_len=draft_len)
 
 
 # ---------------------------------------------------------------- Rate
@@ -456,3 +460,110 @@ def test_a_three_round_rate_is_forgotten_log2_3_half_lives_after_it_was_measured
     entry = {"tokens": 4, "seconds": 2, "rounds": 3}
     assert Rate.remembered({**entry, "at": now - limit + 10}, now).rounds == 1
     assert Rate.remembered({**entry, "at": now - limit - 10}, now) is None
+
+
+# ---------------------------------------------------------------- shadows: suffix drafts scored without running them
+
+
+@pytest.mark.parametrize("drafts, seen, tokens", [
+    ([5, 6, 7], [], None),  # nothing emitted yet
+    ([5, 6, 7], [5, 6], None),  # all matched so far, the third undecided
+    ([5, 6, 7], [5, 6, 7], 4),  # all matched: the bonus token too
+    ([5, 6, 7], [5, 6, 7, 9, 9], 4),
+    ([5, 6, 7], [9], 1),  # the first rejected: the target's own token only
+    ([5, 6, 7], [5, 9, 7], 2),  # a match after a mismatch does not count
+    ([5], [5], 2),
+])
+def test_a_shadow_scores_the_drafts_the_emitted_tokens_match(drafts, seen, tokens):
+    assert Shadow("suffix2", {}, drafts, list(seen)).tokens() == tokens
+
+
+def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown():
+    auto = auto_with("head")
+    assert auto.verify_cost(3) is None
+    auto.average_verify(5, 0.05)
+    assert auto.verify_cost(5) == 0.05 and auto.verify_cost(3) == 0.05  # only a longer one known: its cost bounds it
+    assert auto.verify_cost(6) is None  # nothing as long or longer, and one point draws no line
+    auto.average_verify(1, 0.01)
+    assert auto.verify_cost(3) == pytest.approx(0.03)  # 0.01 + (0.05 - 0.01) * 2 / 4
+    assert auto.verify_cost(7) == pytest.approx(0.07)  # the line through 1 and 5, extended
+    auto.average_verify(3, 0.04)
+    assert auto.verify_cost(2) == pytest.approx(0.025) and auto.verify_cost(4) == pytest.approx(0.045)
+    assert auto.verify_cost(9) == pytest.approx(0.07)  # through the two longest, 3 and 5: 0.05 + 0.005 * 4
+    auto.average_verify(1, 0.09)  # averaged: the first counts whole, then each new one 1/8
+    assert auto.verify_s[1] == pytest.approx(0.02)
+
+
+def test_every_round_but_a_cut_or_a_prefills_feeds_the_verify_cost_of_its_positions_and_sets_k():
+    auto = auto_with("head")
+    auto.observe(record("off", drafted=0, index=0, verify_s=0.001, draft_len=4))  # the prefill's token: no verify
+    assert auto.verify_s == {} and auto.k == 4
+    auto.observe(record("off", drafted=0, index=1, verify_s=0.01, draft_len=6))
+    auto.observe(record("head", drafted=3, verify_s=0.04, draft_len=6))
+    auto.observe(record("head", drafted=2, verify_s=0.5, stop="eos", draft_len=2))  # a cut round: K was cut too
+    assert auto.verify_s == {1: 0.01, 4: 0.04} and auto.k == 6
+
+
+def test_a_matched_suffix_arm_is_measured_by_shadows_in_rounds_another_mode_runs():
+    """Drafts [7, 8] after each context; the target emits 7 then something else: 2 tokens a shadow, at the verify
+    cost of 3 positions (interpolated between the measured 1 and 5) plus a lookup's time."""
+    suffix = Suffix(2, drafts=(7, 8))
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
+    auto.k, auto.next_position, auto.suffix_draft_s = 4, 3, 0.001
+    auto.verify_s = {1: 0.01, 5: 0.05}
+    suffix.scripted = [7, 8]
+    tokens = [1, 2, 3]
+    assert auto.for_round(SimpleNamespace(tokens=tokens), GREEDY).name == "off"  # no forced suffix round: it has a cost
+    assert [(s.arm, s.drafts) for s in auto.shadows] == [("suffix2", [7, 8])]
+    auto.observe(record("off", drafted=0, tokens=[7], draft_s=0.0, verify_s=0.01))
+    assert len(auto.shadows) == 1 and auto.rates["suffix2"].rounds == 0  # 7 matched; 8 undecided
+    auto.for_round(SimpleNamespace(tokens=tokens + [7]), GREEDY)
+    auto.observe(record("off", drafted=0, tokens=[9], draft_s=0.0, verify_s=0.01))  # decides the first: 2 tokens
+    r = auto.rates["suffix2"]
+    # the first shadow: 7 matched, 9 is not 8: 2 tokens; the second (after 7, drafts 7, 8): 9 at once, 1 token
+    assert (r.rounds, r.tokens, r.seconds, r.last) == (2, 1.5, pytest.approx(0.031), auto.rounds)
+    assert auto.shadows == []
+    assert auto.rates["off"].rounds == 6 + 2  # what ran is measured as ever
+
+
+def test_without_a_cost_for_k_plus_one_positions_a_suffix_arm_is_run_to_measure_it():
+    suffix = Suffix(2, drafts=(7, 8))
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
+    auto.k, auto.verify_s = 4, {1: 0.01}
+    assert auto.choose([1, 2, 3]) == ("suffix2", "measuring every mode first")
+    auto.verify_s[3] = 0.03  # its round: now 5 positions are on the line through 1 and 3
+    assert auto.choose([1, 2, 3])[0] == "off"
+
+
+def test_shadows_are_dropped_at_a_new_prompt_a_reset_and_undecided_at_a_replys_end():
+    suffix = Suffix(2, drafts=(7, 8))
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
+    auto.k, auto.verify_s, auto.next_position = 4, {1: 0.01, 5: 0.05}, 3
+    auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), GREEDY)
+    auto.observe(record("off", drafted=0, tokens=[7], stop="eos"))  # 8 never judged: dropped, not scored
+    assert auto.shadows == [] and auto.rates["suffix2"].rounds == 0
+    auto.for_round(SimpleNamespace(tokens=[1, 2, 3, 7, 4, 4]), GREEDY)  # the next prompt (3 + 1 tokens expected: 6)
+    assert len(auto.shadows) == 1
+    auto.observe(record("off", drafted=0, tokens=[9], stop="eos"))  # decided at the end: scored
+    assert auto.rates["suffix2"].rounds == 1 and auto.shadows == []
+    auto.for_round(SimpleNamespace(tokens=[1, 2]), GREEDY)
+    assert len(auto.shadows) == 1
+    auto.next_position = 99  # a rewind (or a cancelled reply): the next round does not continue this one
+    auto.for_round(SimpleNamespace(tokens=[1, 2]), GREEDY)
+    assert len(auto.shadows) == 1  # the old one dropped, this round's added
+    auto.reset()
+    assert auto.shadows == []
+
+
+def test_no_shadow_where_suffix_runs_has_no_match_or_k_is_unknown():
+    suffix = Suffix(2, drafts=(7, 8))
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
+    auto.verify_s = {1: 0.01, 5: 0.05}
+    auto.for_round(SimpleNamespace(tokens=[1]), GREEDY)
+    assert auto.shadows == []  # K not known yet (no round observed)
+    auto.k = 4
+    auto.rates["suffix2"] = rate(500.0)
+    assert auto.for_round(SimpleNamespace(tokens=[1]), GREEDY).name == "suffix" and auto.shadows == []
+    suffix.length = 0
+    auto.for_round(SimpleNamespace(tokens=[1]), GREEDY)
+    assert auto.shadows == []

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.errors import ModeUnavailable
@@ -125,6 +125,25 @@ class Rate:
         return self.per_s * (1 + SPREAD / math.sqrt(max(self.rounds, self.earlier + self.live, 1)))
 
 
+@dataclass
+class Shadow:
+    """A suffix draft of a round another mode ran, scored against the tokens that followed it: the target's tokens,
+    drawn from its distribution whatever mode ran (every candidate is exact), so 1 + the drafts they match is what
+    running it would have emitted, in expectation, at any temperature."""
+
+    arm: str
+    table: dict[str, Rate]  # the sampling setting's rates it counts in
+    drafts: list[int]
+    seen: list[int] = field(default_factory=list)  # the tokens emitted since
+
+    def tokens(self) -> int | None:
+        """Tokens a round of these drafts would have emitted; None while the tokens so far match them all."""
+        matched = 0
+        while matched < min(len(self.seen), len(self.drafts)) and self.seen[matched] == self.drafts[matched]:
+            matched += 1
+        return matched + 1 if matched == len(self.drafts) or matched < len(self.seen) else None
+
+
 def setting_key(params) -> str:
     """The sampling setting an arm's rate belongs to (acceptance depends on it), as saved between sessions."""
     if params is None or params.greedy:
@@ -164,12 +183,19 @@ class AutoDrafter(Drafter):
         self.ran: str | None = None  # the mode whose drafter ran the latest round (None: caches just reset)
         self.caught_up: str | None = None  # the arm whose latest round only caught up (it runs again, counted)
         self.why = "measuring every mode first"
+        self.k = 0  # drafts a round asks for (the loop's K, from the latest round)
+        self.verify_s: dict[int, float] = {}  # positions a verify fed -> its seconds (averaged): the same for every arm
+        self.suffix_draft_s = 0.0  # seconds of a suffix draft (a lookup), averaged over its rounds
+        self.shadows: list[Shadow] = []  # suffix drafts of rounds other modes ran, not yet scored
+        self.next_position = 0  # len(state.tokens) the next round starts from, if it continues this one
+        self.matched: str | None = None  # the suffix arm of the latest round's context (None: no match)
 
     def reset(self) -> None:
         """The candidates forget their caches; the rates stay: they are what this session learnt about the machine."""
         for drafter in self.candidates.values():
             drafter.reset()
         self.ran = None
+        self.shadows = []
 
     @property
     def max_draft(self) -> int | None:
@@ -202,8 +228,15 @@ class AutoDrafter(Drafter):
     def for_round(self, state, params) -> Drafter:
         self.rounds += 1
         self.rates = self._table(params)
+        if len(state.tokens) != self.next_position:  # a new prompt, or a rewind: what follows the shadows is unknown
+            self.shadows = []
+        self.next_position = len(state.tokens)
         self.arm, self.why = self.choose(state.tokens)
         self.choice = self.arm_mode[self.arm]
+        if self.matched is not None and self.choice != "suffix" and self.k > 0:
+            drafts, _ = self.candidates["suffix"].drafts(state.tokens, self.k)
+            if drafts:
+                self.shadows.append(Shadow(self.matched, self.rates, drafts))
         return self.candidates[self.choice]
 
     def match_arm(self, tokens: list[int]) -> str | None:
@@ -215,19 +248,23 @@ class AutoDrafter(Drafter):
     def choose(self, tokens: list[int]) -> tuple[str, str]:
         """The arm for the next round and why, from the rates so far."""
         rates = self.rates
-        matched = self.match_arm(tokens)
+        self.matched = matched = self.match_arm(tokens)
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "suffix" or arm == matched]
-        for arm in eligible:
+        # the arms measured by running them: a suffix arm is measured by its shadows, for free, once a verify as long
+        # as its drafts has a cost (before, it runs to measure one)
+        shadowed = self.verify_cost(self.k + 1) is not None
+        run_to_measure = [arm for arm in eligible if not (shadowed and self.arm_mode[arm] == "suffix")]
+        for arm in run_to_measure:
             if rates[arm].rounds < MIN_ROUNDS:
                 return arm, "measuring every mode first"
         best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
         if self.caught_up in eligible and self.caught_up != best:
             return self.caught_up, f"re-measuring {self.caught_up}"  # the round that counts, after catching up
-        for arm in eligible:
+        for arm in run_to_measure:
             if arm != best and rates[arm].rounds < WARMUP and rates[arm].upper > rates[best].per_s:
                 return arm, f"measuring {arm}: it may beat {best}"
-        for arm in eligible:
+        for arm in run_to_measure:
             if arm != best and self.rounds - rates[arm].last > rates[arm].wait * self.trail(arm, best):
                 rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
                 return arm, f"re-measuring {arm}"
@@ -244,6 +281,23 @@ class AutoDrafter(Drafter):
         rounds = 1 + rate.catch_up_s / rate.seconds if rate.seconds > 0 else 1.0
         return min(max(behind * rounds, 1.0), MAX_TRAIL)
 
+    def verify_cost(self, positions: int) -> float | None:
+        """Seconds of a verify of `positions` positions: measured; else on the line through the nearest measured
+        below and above (past the longest measured, through the two longest: a cost that grows less than linearly,
+        as both engines' do, is overestimated there); else the nearest above, which bounds it; else None."""
+        costs = self.verify_s
+        if positions in costs:
+            return costs[positions]
+        above = [n for n in sorted(costs) if n > positions]
+        below = [n for n in sorted(costs) if n < positions]
+        if above and below:
+            a, b = below[-1], above[0]
+        elif len(below) >= 2:
+            a, b = below[-2], below[-1]
+        else:
+            return costs[above[0]] if above else None
+        return costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
+
     def explain(self, best: str, eligible: list[str]) -> str:
         others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
         why = f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
@@ -251,6 +305,14 @@ class AutoDrafter(Drafter):
         return (f"learnt over {earlier:,} rounds earlier + {live:,} now: " if earlier else "") + why
 
     def observe(self, record) -> None:
+        self.next_position += len(record.tokens)
+        if record.stop_reason is None:
+            self.k = record.draft_len
+            if record.drafted or record.index > 0:  # (round 0 without drafts: its token came with the prefill)
+                self.average_verify(record.drafted + 1, record.verify_s)
+        if record.mode == "suffix" and record.drafted:
+            self.suffix_draft_s += (record.draft_s - self.suffix_draft_s) / 8
+        self.score_shadows([event.id for event in record.tokens], ended=record.stop_reason is not None)
         drafter = self.candidates.get(record.mode)
         catching_up = getattr(drafter, "catches_up", False) and record.mode != self.ran
         self.ran = record.mode
@@ -269,3 +331,22 @@ class AutoDrafter(Drafter):
             return
         tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
         self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds)
+
+    def average_verify(self, positions: int, seconds: float) -> None:
+        """Fold one verify's seconds into the average for its positions (the first counts whole, then 1/8)."""
+        known = self.verify_s.get(positions)
+        self.verify_s[positions] = seconds if known is None else known + (seconds - known) / 8
+
+    def score_shadows(self, emitted: list[int], ended: bool) -> None:
+        """Credit each suffix arm with the shadows the tokens emitted so far decide, at the verify cost of their
+        length (a lookup's draft time added); a reply's end drops the undecided."""
+        pending = []
+        for shadow in self.shadows:
+            shadow.seen.extend(emitted)
+            tokens = shadow.tokens()
+            cost = self.verify_cost(len(shadow.drafts) + 1)
+            if tokens is not None and cost is not None:
+                shadow.table[shadow.arm].add(tokens, cost + self.suffix_draft_s, self.rounds)
+            elif tokens is None and not ended:
+                pending.append(shadow)
+        self.shadows = pending

@@ -230,14 +230,18 @@ class SuffixDrafter(Drafter):
         match = self.match(tokens)
         return match[2] if match else 0
 
-    def propose(self, state, k, params, generator) -> Proposal:
-        self.confidence = 0.0
-        match = self.match(state.tokens)
+    def drafts(self, tokens: list[int], k: int) -> tuple[list[int], float]:
+        """What it drafts after `tokens` (up to k ids) and their confidence; ([], 0.0) without a match. Mode auto
+        also calls it in rounds another mode runs, to score the drafts against what followed."""
+        match = self.match(tokens)
         if match is None:
-            return Proposal.empty(state.device)
+            return [], 0.0
         automaton, at, length = match
         ids, confidence = automaton.continuation(at, min(k, max(1, round(self.alpha * length))), self.min_confidence)
+        return ids, confidence if ids else 0.0
+
+    def propose(self, state, k, params, generator) -> Proposal:
+        ids, self.confidence = self.drafts(state.tokens, k)
         if not ids:
             return Proposal.empty(state.device)
-        self.confidence = confidence
         return Proposal(torch.tensor(ids, dtype=torch.long, device=state.device), None, calls=0)
