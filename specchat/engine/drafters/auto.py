@@ -40,6 +40,16 @@ match (a copy in progress, or a chance bigram). It replaced prompt lookup here, 
 multi-turn chats of benchmarks/multiturn.py it beat lookup in 7 of 8 conversation-runs on llama.cpp and was
 level with it on torch (README, mode suffix).
 
+Its arms are measured without running them (shadows): its drafts cost a lookup, so in every round another mode
+runs where suffix has a match, auto takes what it would have drafted and scores it against the tokens that follow.
+Those are the target's tokens whatever mode ran (every candidate is exact), so 1 + the drafts they match is what a
+suffix round would have emitted, in expectation, at any temperature; its cost is the verify of that many
+positions (`verify_cost`, from every mode's rounds: a verify's cost depends on its positions, not on who drafted)
+plus a lookup's time. A suffix arm is run only where it is the fastest, and once before any verify longer than
+one position has a cost (on llama.cpp, where plain decoding is the only other candidate). Before, each arm ran
+MIN_ROUNDS rounds and its re-measurements: on llama.cpp, where a verify of 5 positions costs ~3.5 plain steps,
+each was a loss.
+
 Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
 model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would
 stall a reply. quant is a candidate where its int8 copy runs on the lean runner's kernel (built in ~0.3 s
