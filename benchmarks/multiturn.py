@@ -11,6 +11,8 @@ are paired with mode off's run of the same conversation and repetition. auto run
     python benchmarks/multiturn.py --reps 2                      # the default model on llama.cpp
     python benchmarks/multiturn.py --reps 2 --engine torch       # the same GGUF dequantised on torch (float32)
     python benchmarks/multiturn.py --modes off,suffix,suffix:8   # a mode:K runs that mode with K drafts (else --k)
+    python benchmarks/multiturn.py --modes off,suffix,suffix@0   # suffix@N: at most max(K, N) drafts (default 15)
+    python benchmarks/multiturn.py --set tuning                  # the conversations settings are chosen on
 """
 
 from __future__ import annotations
@@ -57,6 +59,32 @@ CONVERSATIONS = {
     "general": ["Why is the sky blue? Answer in a short paragraph."],
 }
 
+# For choosing settings (`--set tuning`); the figures reported come from CONVERSATIONS above, which no setting was
+# chosen on.
+SCRIPT = '''#!/bin/sh
+src=$1
+dst=$2
+tar czf "$dst/backup-$(date +%F).tar.gz" "$src"
+echo "done"
+'''
+
+TUNING = {
+    "refactor": [
+        f"Here is a shell script:\n\n```sh\n{SCRIPT}```\n\nAdd a comment above each line and show the whole script.",
+        "Now make it exit with an error when fewer than two arguments are given. Show the complete script again.",
+    ],
+    "js edit loop": [
+        "Write a JavaScript function that counts the vowels in a string.",
+        "Make it ignore upper and lower case and show the whole function again.",
+        "Add a JSDoc comment above it and show the complete code once more.",
+    ],
+    "summary": [
+        "Explain what a hash table is in a short paragraph.",
+        "Repeat that paragraph word for word, then add one sentence about collisions.",
+    ],
+    "recipe": ["Give me a simple recipe for pancakes."],
+}
+
 
 def run_conversation(session: Session, turns: list[str]) -> tuple[int, float, list[int], dict]:
     """(tokens, seconds, reply ids, rounds by mode) over the conversation's turns, each turn's first round left out."""
@@ -76,6 +104,7 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--engine", default="llama.cpp", choices=["llama.cpp", "torch"])
     ap.add_argument("--modes", default="off,lookup,suffix,auto")
+    ap.add_argument("--set", default="report", choices=["report", "tuning"], help="tuning: the conversations settings are chosen on")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--k", type=int, default=4)
@@ -86,15 +115,18 @@ def main() -> None:
     threads.set_threads(args.threads)
     target = load_model(args.target, torch.device("cpu"), torch.float32, engine=args.engine)
     modes = args.modes.split(",")
-    results = {name: {m: [] for m in modes} for name in CONVERSATIONS}
+    conversations = TUNING if args.set == "tuning" else CONVERSATIONS
+    results = {name: {m: [] for m in modes} for name in conversations}
     print(f"load average before: {os.getloadavg()}", file=sys.stderr, flush=True)
     for rep in range(args.reps):
-        for i, (name, turns) in enumerate(CONVERSATIONS.items()):
+        for i, (name, turns) in enumerate(conversations.items()):
             shift = (rep + i) % len(modes)
             for mode in modes[shift:] + modes[:shift]:
-                mode_name, _, k = mode.partition(":")
+                spec, _, max_draft = mode.partition("@")
+                mode_name, _, k = spec.partition(":")
+                options = {"max_draft": int(max_draft)} if max_draft else {}
                 session = Session(target, mode=mode_name, k=int(k or args.k), sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
-                                  earlier_sessions=False)
+                                  earlier_sessions=False, mode_options=options)
                 results[name][mode].append(run_conversation(session, turns))
                 print(f"  {name} {mode}: {results[name][mode][-1][0] / results[name][mode][-1][1]:.1f} tok/s", file=sys.stderr, flush=True)
     print(f"load average after: {os.getloadavg()}", file=sys.stderr)
@@ -111,7 +143,7 @@ def main() -> None:
             cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
         same = sum(r[2] == o[2] for m in modes[1:] for r, o in zip(by[m], off))
         auto = by["auto"][-1][3] if "auto" in by else {}
-        print(f"| {name} | {len(CONVERSATIONS[name])} | {statistics.median(t / s for t, s, _, _ in off):.1f} | "
+        print(f"| {name} | {len(conversations[name])} | {statistics.median(t / s for t, s, _, _ in off):.1f} | "
               + " | ".join(cells) + f" | {same}/{(len(modes) - 1) * args.reps} | {auto} |")
 
 

@@ -535,6 +535,20 @@ def test_without_a_cost_for_k_plus_one_positions_a_suffix_arm_is_run_to_measure_
     assert auto.choose([1, 2, 3])[0] == "off"
 
 
+def test_shadows_ask_for_and_are_priced_at_the_suffix_drafters_own_draft_length():
+    """suffix asks for at least 6 drafts where K is 2 (SuffixDrafter.draft_len): its shadows draft 6, and it is
+    shadowed once a verify of 7 positions has a cost (here extrapolated through the measured 1 and 3)."""
+    suffix = Suffix(6, drafts=(7, 8, 9, 10, 11, 12, 13))
+    suffix.draft_len = lambda k: max(k, 6)
+    auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
+    auto.k, auto.next_position, auto.verify_s = 2, 3, {3: 0.03}
+    assert auto.choose([1, 2, 3]) == ("suffix≥6", "measuring every mode first")  # v(7) unknown: it runs
+    auto.verify_s[1] = 0.01
+    assert auto.verify_cost(7) == pytest.approx(0.07)
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), GREEDY).name == "off"
+    assert [s.drafts for s in auto.shadows] == [[7, 8, 9, 10, 11, 12]]
+
+
 def test_shadows_are_dropped_at_a_new_prompt_a_reset_and_undecided_at_a_replys_end():
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)

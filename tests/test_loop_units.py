@@ -407,3 +407,24 @@ def test_a_drafter_that_proposes_more_than_asked_cannot_pass_the_budget():
     recs, state = rounds(Greedy(), k=1, max_new=4)
     assert [ids([r]) for r in recs] == [[1, 2], [3, 4]] and state.tokens == [0, 1, 2, 3, 4]
     assert recs[-1].stop_reason == "max_new_tokens"
+
+
+class Wide(Scripted):
+    """Asks for at least 6 drafts whatever the round's K (as suffix asks for up to its max_draft)."""
+
+    def draft_len(self, k):
+        return max(k, 6)
+
+
+def test_a_drafter_may_widen_its_k_and_the_budget_still_caps_it():
+    """K=2 widened to 6: round 0 drafts 1..6, bonus 7; budget 10 leaves 3, so round 1 may draft 2 (0 1: the counter
+    is mod 8), bonus 2.
+    With AdaptiveK the widening applies to adaptive's K as well."""
+    drafter = Wide()
+    recs, state = rounds(drafter, k=2, max_new=10)
+    assert drafter.ks == [6, 2] and [r.draft_len for r in recs] == [6, 2]
+    assert ids(recs) == [i % V for i in range(1, 11)] and state.verified == [[1, 2, 3, 4, 5, 6], [0, 1]]
+    drafter = Wide()
+    rounds(drafter, k=2, max_new=30, adaptive=AdaptiveK(start=5, k_max=9))
+    assert drafter.ks[:3] == [6, 7, 9]  # max(5, 6), then adaptive's 5 + 2 and 9 (7 + 2 clamped): wider than 6
+    assert Scripted().draft_len(3) == 3  # the default asks for K

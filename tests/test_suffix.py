@@ -32,7 +32,12 @@ def test_the_longest_match_wins_and_caps_the_draft():
     assert d.match_length(tokens) == 3
     assert drafts(d, tokens, k=8) == [1, 9, 5]  # at most round(alpha * 3) = 3 drafts
     assert drafts(SuffixDrafter(alpha=2), tokens, k=8) == [1, 9, 5, 6, 2, 4]
-    assert drafts(d, tokens, k=2) == [1, 9]  # and never more than K
+    assert drafts(d, tokens, k=2) == [1, 9]  # and never more than it is asked for
+
+
+def test_it_asks_for_max_draft_drafts_or_k_if_more():
+    assert (SuffixDrafter().draft_len(4), SuffixDrafter().draft_len(20)) == (15, 20)
+    assert SuffixDrafter(max_draft=0).draft_len(4) == 4  # K alone caps, as lookup's
 
 
 def test_the_most_frequent_continuation_wins():
@@ -113,12 +118,14 @@ def test_a_draft_stops_below_the_threshold_not_at_it():
 
 
 def test_build_passes_every_option_and_bad_ones_are_refused():
-    d = SuffixDrafter.build(None, references=[[1, 2, 3]], min_match=3, alpha=2.0, min_confidence=0.5, max_corpus=7)
-    assert (list(d.references), d.min_match, d.alpha, d.min_confidence, d.max_corpus) == ([[1, 2, 3]], 3, 2.0, 0.5, 7)
+    d = SuffixDrafter.build(None, references=[[1, 2, 3]], min_match=3, alpha=2.0, min_confidence=0.5, max_corpus=7,
+                            max_draft=9)
+    assert (list(d.references), d.min_match, d.alpha, d.min_confidence, d.max_corpus, d.max_draft) == (
+        [[1, 2, 3]], 3, 2.0, 0.5, 7, 9)
     assert d.confidence == 0.0  # nothing proposed yet
-    SuffixDrafter(min_match=1, alpha=0.01, max_corpus=1)  # the smallest allowed
-    for bad in ({"min_match": 0}, {"alpha": 0.0}, {"max_corpus": 0}):
-        with pytest.raises(ValueError, match="need min_match >= 1, alpha > 0, max_corpus >= 1"):
+    SuffixDrafter(min_match=1, alpha=0.01, max_corpus=1, max_draft=0)  # the smallest allowed
+    for bad in ({"min_match": 0}, {"alpha": 0.0}, {"max_corpus": 0}, {"max_draft": -1}):
+        with pytest.raises(ValueError, match="need min_match >= 1, alpha > 0, max_corpus >= 1, max_draft >= 0"):
             SuffixDrafter(**bad)
 
 
@@ -268,6 +275,17 @@ def test_greedy_matches_hf_generate(target, k, corpus):
     assert sum(r.accepted for r in records) > 0
     assert k == 1 or sum(r.drafted - r.accepted for r in records) > 0  # and some drafts were rejected
     assert all(r.draft_calls == 0 for r in records)  # no model
+
+
+def test_a_long_match_drafts_past_k_in_the_loop(target):
+    """The prompt repeats 9 tokens: the first round's match is 8 long, so it drafts 8 where K is 2 (a copy in
+    progress pays past K), and 2 with max_draft 0. Greedy output is the same either way."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 8]
+    wide, records = run(target, SuffixDrafter(), prompt, k=2, params=SamplingParams(0), max_new_tokens=20)
+    assert records[0].draft_len == 15 and records[0].drafted == 8  # round(alpha * 8) drafts, the whole match's continuation
+    narrow, records = run(target, SuffixDrafter(max_draft=0), prompt, k=2, params=SamplingParams(0), max_new_tokens=20)
+    assert records[0].draft_len == 2 and records[0].drafted == 2
+    assert wide == narrow
 
 
 # As lookup's test: drafts the peaked target often accepts, found by search. "9 0 6" occurred at the start followed

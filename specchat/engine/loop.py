@@ -106,7 +106,7 @@ def generate(
     while produced < limit:
         chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
         drafter = chooser.for_round(state, params)  # mode auto: the mode it picked for this round
-        want = adaptive.k(drafter.name) if adaptive else controls.k
+        want = drafter.draft_len(adaptive.k(drafter.name) if adaptive else controls.k)
         if controls.baseline is not None and controls.baseline_every and drafter is not controls.baseline:
             controls.rounds_since_baseline += 1
             if controls.rounds_since_baseline > controls.baseline_every:  # after `baseline_every` rounds of the mode

@@ -244,7 +244,8 @@ class AutoDrafter(Drafter):
         self.arm, self.why = self.choose(state.tokens)
         self.choice = self.arm_mode[self.arm]
         if self.matched is not None and self.choice != "suffix" and self.k > 0:
-            drafts, _ = self.candidates["suffix"].drafts(state.tokens, self.k)
+            suffix = self.candidates["suffix"]
+            drafts, _ = suffix.drafts(state.tokens, suffix.draft_len(self.k))
             if drafts:
                 self.shadows.append(Shadow(self.matched, self.rates, drafts))
         return self.candidates[self.choice]
@@ -262,7 +263,8 @@ class AutoDrafter(Drafter):
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "suffix" or arm == matched]
         # the arms measured by running them: a suffix arm is measured by its shadows, for free, once a verify as long
         # as its drafts has a cost (before, it runs to measure one)
-        shadowed = self.verify_cost(self.k + 1) is not None
+        suffix = self.candidates.get("suffix")
+        shadowed = suffix is not None and self.verify_cost(suffix.draft_len(self.k) + 1) is not None
         run_to_measure = [arm for arm in eligible if not (shadowed and self.arm_mode[arm] == "suffix")]
         for arm in run_to_measure:
             if rates[arm].rounds < MIN_ROUNDS:

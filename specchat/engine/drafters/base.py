@@ -42,6 +42,11 @@ class Drafter:
     def propose(self, state: TargetState, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError
 
+    def draft_len(self, k: int) -> int:
+        """How many drafts to ask for in a round whose K is `k`: k, except for a drafter whose own rule bounds its
+        drafts and whose drafts cost nothing (suffix: as many as its match supports)."""
+        return k
+
     def for_round(self, state: TargetState, params: SamplingParams) -> "Drafter":
         """The drafter that runs the next round: itself, except for a mode that chooses among others (auto)."""
         return self

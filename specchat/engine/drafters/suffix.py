@@ -48,6 +48,7 @@ from specchat.engine.drafters.base import Drafter, Proposal
 
 MIN_MATCH = 2  # shortest match that drafts
 ALPHA = 1.0  # at most round(ALPHA * match length) drafts
+MAX_DRAFT = 15  # and at most this many, or K if larger (16 positions: the C layer's rows, smallbatch.MAX_ROWS)
 MIN_CONFIDENCE = 0.1  # stop before the product of the frequencies along the draft falls below it
 MAX_CORPUS = 100_000  # corpus tokens kept (the most recent sequences)
 MAX_WALK = 64  # states an appended token counts an occurrence in (the suffix-link path, cut off)
@@ -141,21 +142,25 @@ class SuffixAutomaton:
 class SuffixDrafter(Drafter):
     """Draft from the longest earlier match of the conversation's last tokens, in the conversation itself or in
     the corpus (the longer wins; ties: the conversation), at least `min_match` tokens long: the most frequent
-    continuation, at most round(alpha * match length) tokens, while its confidence is >= min_confidence."""
+    continuation, at most round(alpha * match length) tokens and max(K, max_draft), while its confidence is >=
+    min_confidence."""
 
     name = "suffix"
 
     @classmethod
     def build(cls, target, draft=None, *, references: list[list[int]] | None = None, min_match: int = MIN_MATCH,
               alpha: float = ALPHA, min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS,
-              **options) -> "SuffixDrafter":
-        return cls(references, min_match=min_match, alpha=alpha, min_confidence=min_confidence, max_corpus=max_corpus)
+              max_draft: int = MAX_DRAFT, **options) -> "SuffixDrafter":
+        return cls(references, min_match=min_match, alpha=alpha, min_confidence=min_confidence, max_corpus=max_corpus,
+                   max_draft=max_draft)
 
     def __init__(self, references: list[list[int]] | None = None, *, min_match: int = MIN_MATCH, alpha: float = ALPHA,
-                 min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS) -> None:
-        if min_match < 1 or alpha <= 0 or max_corpus < 1:
-            raise ValueError(f"need min_match >= 1, alpha > 0, max_corpus >= 1; got {min_match}, {alpha}, {max_corpus}")
+                 min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS, max_draft: int = MAX_DRAFT) -> None:
+        if min_match < 1 or alpha <= 0 or max_corpus < 1 or max_draft < 0:
+            raise ValueError(f"need min_match >= 1, alpha > 0, max_corpus >= 1, max_draft >= 0; "
+                             f"got {min_match}, {alpha}, {max_corpus}, {max_draft}")
         self.min_match, self.alpha, self.min_confidence, self.max_corpus = min_match, alpha, min_confidence, max_corpus
+        self.max_draft = max_draft
         self.references: deque[list[int]] = deque()  # the corpus's sequences, oldest first
         self.corpus_tokens = 0
         self._rebuild_corpus()
@@ -239,6 +244,11 @@ class SuffixDrafter(Drafter):
         automaton, at, length = match
         ids, confidence = automaton.continuation(at, min(k, max(1, round(self.alpha * length))), self.min_confidence)
         return ids, confidence if ids else 0.0
+
+    def draft_len(self, k: int) -> int:
+        """Its drafts cost nothing and a long match is a copy in progress: up to max_draft even where K is less
+        (SuffixDecoding's max_spec_tokens; the match length and the confidence bound each round's)."""
+        return max(k, self.max_draft)
 
     def propose(self, state, k, params, generator) -> Proposal:
         ids, self.confidence = self.drafts(state.tokens, k)
