@@ -122,9 +122,9 @@ def main() -> None:
         for i, (name, turns) in enumerate(conversations.items()):
             shift = (rep + i) % len(modes)
             for mode in modes[shift:] + modes[:shift]:
-                spec, _, max_draft = mode.partition("@")
+                spec, _, max_spec = mode.partition("@")
                 mode_name, _, k = spec.partition(":")
-                options = {"max_draft": int(max_draft)} if max_draft else {}
+                options = {"max_spec": int(max_spec)} if max_spec else {}
                 session = Session(target, mode=mode_name, k=int(k or args.k), sampling=SamplingParams(0), max_new_tokens=args.max_new_tokens,
                                   earlier_sessions=False, mode_options=options)
                 results[name][mode].append(run_conversation(session, turns))

@@ -48,6 +48,7 @@ class Snapshot:
     recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
     baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
     max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
+    draft_len: int | None = None  # it asks for this many where its match allows, K or more (mode suffix)
     choice: str | None = None  # mode auto: the mode of its latest round
     why: str | None = None  # and why (the rates it compared)
     # per mode, the plain rounds run in-band among its rounds: its speedup compares with these (same window, same
@@ -167,6 +168,7 @@ class Conversation:
                 baseline=Baseline.of(self._plain or ()),
                 plain_for={mode: s.copy() for mode, s in self.plain_for.items()},
                 max_draft=getattr(controls.drafter, "max_draft", None),
+                draft_len=controls.drafter.draft_len(controls.k) if hasattr(controls.drafter, "draft_len") else None,
                 choice=getattr(controls.drafter, "choice", None),
                 why=getattr(controls.drafter, "why", None),
                 **self._snapshot_extra(),

@@ -204,6 +204,15 @@ def test_max_draft_is_the_chosen_candidates():
     assert auto.max_draft == 5
 
 
+def test_draft_len_is_the_chosen_candidates():
+    suffix = Suffix(2)
+    suffix.draft_len = lambda k: max(k, 15)
+    auto = AutoDrafter({"off": PlainDecoding(), "suffix": suffix})
+    assert auto.draft_len(4) == 4
+    auto.choice = "suffix"
+    assert auto.draft_len(4) == 15
+
+
 # ---------------------------------------------------------------- remembering
 
 

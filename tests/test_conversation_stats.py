@@ -161,10 +161,13 @@ def test_recent_keeps_the_latest_rounds_only():
 
 
 def test_the_drafters_own_fields_and_the_subclasss_extra_reach_the_snapshot():
-    """max_draft (the head's file), auto's choice and why, and a remote session's server and warnings."""
+    """max_draft (the head's file), draft_len (suffix's), auto's choice and why, and a remote session's server and warnings."""
     drafter = SimpleNamespace(name="auto", max_draft=3, choice="quant", why="quant 2.1 > lookup 1.4 tok/step")
     chat = Chat("auto", drafter=drafter, extra={"server": "vllm at http://x: m", "warnings": ("step 3",)})
     snap = chat.snapshot()
     assert (snap.max_draft, snap.choice, snap.why) == (3, "quant", "quant 2.1 > lookup 1.4 tok/step")
     assert (snap.server, snap.warnings) == ("vllm at http://x: m", ("step 3",))
     assert (snap.mode, snap.k, snap.rule, snap.exact) == ("auto", 4, "exact", True)
+    assert snap.draft_len is None  # a drafter that does not say
+    drafter.draft_len = lambda k: max(k, 15)  # mode suffix (or auto running it) asks for more than K
+    assert Chat("auto", drafter=drafter).snapshot().draft_len == 15

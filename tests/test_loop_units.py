@@ -410,7 +410,7 @@ def test_a_drafter_that_proposes_more_than_asked_cannot_pass_the_budget():
 
 
 class Wide(Scripted):
-    """Asks for at least 6 drafts whatever the round's K (as suffix asks for up to its max_draft)."""
+    """Asks for at least 6 drafts whatever the round's K (as suffix asks for up to its max_spec)."""
 
     def draft_len(self, k):
         return max(k, 6)

@@ -35,9 +35,9 @@ def test_the_longest_match_wins_and_caps_the_draft():
     assert drafts(d, tokens, k=2) == [1, 9]  # and never more than it is asked for
 
 
-def test_it_asks_for_max_draft_drafts_or_k_if_more():
+def test_it_asks_for_max_spec_drafts_or_k_if_more():
     assert (SuffixDrafter().draft_len(4), SuffixDrafter().draft_len(20)) == (15, 20)
-    assert SuffixDrafter(max_draft=0).draft_len(4) == 4  # K alone caps, as lookup's
+    assert SuffixDrafter(max_spec=0).draft_len(4) == 4  # K alone caps, as lookup's
 
 
 def test_the_most_frequent_continuation_wins():
@@ -119,13 +119,13 @@ def test_a_draft_stops_below_the_threshold_not_at_it():
 
 def test_build_passes_every_option_and_bad_ones_are_refused():
     d = SuffixDrafter.build(None, references=[[1, 2, 3]], min_match=3, alpha=2.0, min_confidence=0.5, max_corpus=7,
-                            max_draft=9)
-    assert (list(d.references), d.min_match, d.alpha, d.min_confidence, d.max_corpus, d.max_draft) == (
+                            max_spec=9)
+    assert (list(d.references), d.min_match, d.alpha, d.min_confidence, d.max_corpus, d.max_spec) == (
         [[1, 2, 3]], 3, 2.0, 0.5, 7, 9)
     assert d.confidence == 0.0  # nothing proposed yet
-    SuffixDrafter(min_match=1, alpha=0.01, max_corpus=1, max_draft=0)  # the smallest allowed
-    for bad in ({"min_match": 0}, {"alpha": 0.0}, {"max_corpus": 0}, {"max_draft": -1}):
-        with pytest.raises(ValueError, match="need min_match >= 1, alpha > 0, max_corpus >= 1, max_draft >= 0"):
+    SuffixDrafter(min_match=1, alpha=0.01, max_corpus=1, max_spec=0)  # the smallest allowed
+    for bad in ({"min_match": 0}, {"alpha": 0.0}, {"max_corpus": 0}, {"max_spec": -1}):
+        with pytest.raises(ValueError, match="need min_match >= 1, alpha > 0, max_corpus >= 1, max_spec >= 0"):
             SuffixDrafter(**bad)
 
 
@@ -279,11 +279,11 @@ def test_greedy_matches_hf_generate(target, k, corpus):
 
 def test_a_long_match_drafts_past_k_in_the_loop(target):
     """The prompt repeats 9 tokens: the first round's match is 8 long, so it drafts 8 where K is 2 (a copy in
-    progress pays past K), and 2 with max_draft 0. Greedy output is the same either way."""
+    progress pays past K), and 2 with max_spec 0. Greedy output is the same either way."""
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4, 5, 6, 7, 8]
     wide, records = run(target, SuffixDrafter(), prompt, k=2, params=SamplingParams(0), max_new_tokens=20)
     assert records[0].draft_len == 15 and records[0].drafted == 8  # round(alpha * 8) drafts, the whole match's continuation
-    narrow, records = run(target, SuffixDrafter(max_draft=0), prompt, k=2, params=SamplingParams(0), max_new_tokens=20)
+    narrow, records = run(target, SuffixDrafter(max_spec=0), prompt, k=2, params=SamplingParams(0), max_new_tokens=20)
     assert records[0].draft_len == 2 and records[0].drafted == 2
     assert wide == narrow
 

@@ -192,6 +192,10 @@ async def test_the_panel_says_when_the_drafter_caps_k():
         app.refresh_panel(retake=False)
         await pilot.pause()
         assert "K 4" in screen_text(app) and "drafts ≤" not in screen_text(app)
+        app.snapshot = dataclasses.replace(app.session.snapshot(), k=4, draft_len=15)  # mode suffix asks for more
+        app.refresh_panel(retake=False)
+        await pilot.pause()
+        assert "K 4 (≤15 on a long match)" in screen_text(app)
 
 
 @pytest.mark.asyncio

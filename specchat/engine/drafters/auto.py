@@ -211,6 +211,10 @@ class AutoDrafter(Drafter):
     def max_draft(self) -> int | None:
         return getattr(self.candidates[self.choice], "max_draft", None)
 
+    def draft_len(self, k: int) -> int:
+        """What the mode it runs asks for (the loop asks that mode itself; this is for the panel)."""
+        return self.candidates[self.choice].draft_len(k)
+
     def _table(self, params) -> dict[str, Rate]:
         key = setting_key(params)
         if key not in self.tables:

@@ -48,7 +48,7 @@ from specchat.engine.drafters.base import Drafter, Proposal
 
 MIN_MATCH = 2  # shortest match that drafts
 ALPHA = 1.0  # at most round(ALPHA * match length) drafts
-MAX_DRAFT = 15  # and at most this many, or K if larger (16 positions: the C layer's rows, smallbatch.MAX_ROWS)
+MAX_SPEC = 15  # and at most this many, or K if larger (16 positions: the C layer's rows, smallbatch.MAX_ROWS)
 MIN_CONFIDENCE = 0.1  # stop before the product of the frequencies along the draft falls below it
 MAX_CORPUS = 100_000  # corpus tokens kept (the most recent sequences)
 MAX_WALK = 64  # states an appended token counts an occurrence in (the suffix-link path, cut off)
@@ -142,7 +142,7 @@ class SuffixAutomaton:
 class SuffixDrafter(Drafter):
     """Draft from the longest earlier match of the conversation's last tokens, in the conversation itself or in
     the corpus (the longer wins; ties: the conversation), at least `min_match` tokens long: the most frequent
-    continuation, at most round(alpha * match length) tokens and max(K, max_draft), while its confidence is >=
+    continuation, at most round(alpha * match length) tokens and max(K, max_spec), while its confidence is >=
     min_confidence."""
 
     name = "suffix"
@@ -150,17 +150,17 @@ class SuffixDrafter(Drafter):
     @classmethod
     def build(cls, target, draft=None, *, references: list[list[int]] | None = None, min_match: int = MIN_MATCH,
               alpha: float = ALPHA, min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS,
-              max_draft: int = MAX_DRAFT, **options) -> "SuffixDrafter":
+              max_spec: int = MAX_SPEC, **options) -> "SuffixDrafter":
         return cls(references, min_match=min_match, alpha=alpha, min_confidence=min_confidence, max_corpus=max_corpus,
-                   max_draft=max_draft)
+                   max_spec=max_spec)
 
     def __init__(self, references: list[list[int]] | None = None, *, min_match: int = MIN_MATCH, alpha: float = ALPHA,
-                 min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS, max_draft: int = MAX_DRAFT) -> None:
-        if min_match < 1 or alpha <= 0 or max_corpus < 1 or max_draft < 0:
-            raise ValueError(f"need min_match >= 1, alpha > 0, max_corpus >= 1, max_draft >= 0; "
-                             f"got {min_match}, {alpha}, {max_corpus}, {max_draft}")
+                 min_confidence: float = MIN_CONFIDENCE, max_corpus: int = MAX_CORPUS, max_spec: int = MAX_SPEC) -> None:
+        if min_match < 1 or alpha <= 0 or max_corpus < 1 or max_spec < 0:
+            raise ValueError(f"need min_match >= 1, alpha > 0, max_corpus >= 1, max_spec >= 0; "
+                             f"got {min_match}, {alpha}, {max_corpus}, {max_spec}")
         self.min_match, self.alpha, self.min_confidence, self.max_corpus = min_match, alpha, min_confidence, max_corpus
-        self.max_draft = max_draft
+        self.max_spec = max_spec
         self.references: deque[list[int]] = deque()  # the corpus's sequences, oldest first
         self.corpus_tokens = 0
         self._rebuild_corpus()
@@ -246,9 +246,9 @@ class SuffixDrafter(Drafter):
         return ids, confidence if ids else 0.0
 
     def draft_len(self, k: int) -> int:
-        """Its drafts cost nothing and a long match is a copy in progress: up to max_draft even where K is less
+        """Its drafts cost nothing and a long match is a copy in progress: up to max_spec even where K is less
         (SuffixDecoding's max_spec_tokens; the match length and the confidence bound each round's)."""
-        return max(k, self.max_draft)
+        return max(k, self.max_spec)
 
     def propose(self, state, k, params, generator) -> Proposal:
         ids, self.confidence = self.drafts(state.tokens, k)

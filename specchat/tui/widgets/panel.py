@@ -221,6 +221,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
         how = sampling_text(snapshot)
         exact = "exact" if snapshot.exact else "APPROXIMATE"
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
+        if snapshot.draft_len and snapshot.draft_len > snapshot.k:
+            capped = f" (≤{snapshot.draft_len} on a long match)"
         running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
         # one line, cut at the panel's width (CSS): exact/APPROXIMATE comes before the sampling settings the cut may hide
         line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
