@@ -26,7 +26,7 @@ through the drafter, a verify of K+1 positions costing 1 + 0.05 K plain steps (R
 - min_match 2, as lookup's min_ngram: single-token matches are mostly wrong guesses.
 - max_spec 15 (SuffixDecoding's max_spec_tokens): a long match drafts past K, up to max(K, 15). Chosen on
   benchmarks/multiturn.py --set tuning against 0 (K caps), 8 and 31; on its reported conversations ahead of K
-  alone by 0.02-0.08 (benchmarks/RESULTS.md section 18).
+  alone by 0.02-0.08 in 7 of 8 conversation-engine cells, behind in one (benchmarks/RESULTS.md section 18).
 
 Costs (pure Python 3.11, dict transitions, this 2-core CPU):
 - a corpus of 100k tokens: random over a 50k vocabulary 0.26 s and 48 MB (130k states); repetitive (sentences
