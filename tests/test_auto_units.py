@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specchat.engine.drafters.auto import MAX_TRAIL, AutoDrafter, Rate, Shadow, setting_key
+from specchat.engine.drafters.auto import CV_FLOOR, MAX_TRAIL, SPREAD, AutoDrafter, Rate, Shadow, setting_key
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.errors import ModeUnavailable
@@ -590,3 +590,20 @@ def test_no_shadow_where_suffix_runs_has_no_match_or_k_is_unknown():
     suffix.length = 0
     auto.for_round(SimpleNamespace(tokens=[1]), GREEDY)
     assert auto.shadows == []
+
+
+def test_the_bound_spreads_as_far_as_the_arms_own_rounds_vary():
+    """Two plain rounds at one step's cost settle plain decoding (the narrowest spread, CV_FLOOR); rounds of 5 and 1
+    tokens keep the widest (SPREAD); a remembered rate, with no rounds of this session, keeps SPREAD too."""
+    steady, uneven = Rate(), Rate()
+    for i, seconds in enumerate((0.25, 0.26)):
+        steady.add(1.0, seconds, at=i + 1)
+    for i, (tokens, seconds) in enumerate(((5.0, 0.65), (1.0, 0.61))):
+        uneven.add(tokens, seconds, at=i + 1)
+    assert steady.spread == CV_FLOOR and uneven.spread == SPREAD
+    assert steady.upper == pytest.approx(steady.per_s * (1 + CV_FLOOR / 2**0.5))
+    middling = Rate()
+    for i, tokens in enumerate((3.0, 2.0, 3.0, 2.0)):
+        middling.add(tokens, 1.0, at=i + 1)
+    assert middling.spread == pytest.approx(0.2)  # rates 3, 2, 3, 2 (exponentially weighted): sd 0.5 over 2.5
+    assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": 1e9}, 1e9).spread == SPREAD

@@ -19,12 +19,15 @@ position it missed (a whole prompt, or the tokens of 64 rounds), a switching cos
 int8 copy drafts on the target's own cache and has nothing to catch up on.
 
 How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that a candidate is measured further
-(up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + SPREAD/sqrt(rounds), an
+(up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + spread/sqrt(rounds), an
 upper bound that narrows as rounds come in, is above the leader's (a UCB-style race, so a warm-up costs little
-where one mode is clearly ahead). Then each round runs the best, except that a candidate not run for a while runs
-again (its wait doubles each time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the
-rounds a re-measurement takes, up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the
-incumbent is kept unless another is faster by more than HYSTERESIS (switching drafters costs a resync).
+where one mode is clearly ahead). The spread is how much the arm's own per-round rates vary (Rate.spread, between
+CV_FLOOR and SPREAD): two plain rounds settle plain decoding, whose every round is one token at one step's cost,
+where a fixed SPREAD kept it racing against one unlucky quant round (section 17 of benchmarks/RESULTS.md).
+Then each round runs the best, except that a candidate not run for a while runs again (its wait doubles each
+time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the rounds a re-measurement takes,
+up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is
+faster by more than HYSTERESIS (switching drafters costs a resync).
 
 What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
 machine): after each reply the session saves every arm's rate; a new session starts from them, so its first
@@ -72,6 +75,9 @@ WARMUP = 6  # a candidate that could still beat the leader is measured up to thi
 # the upper bound of a rate measured over n rounds: rate * (1 + SPREAD / sqrt(n)); a round's rate varied with a
 # coefficient of variation of 0.22 (quant) to 0.8-0.9 (prompt lookup, plain decoding) on the default model under load 2.8
 SPREAD = 0.5
+# the narrowest relative spread an arm's bound takes from its own rounds: plain decoding's step times varied ~10% from
+# round to round on the Qwen pair (benchmarks/RESULTS.md section 17), and a rate from two equal rounds is not exact
+CV_FLOOR = 0.1
 PRIOR_ROUNDS = 3  # a remembered rate weighs as this many rounds of this session (halved every HALF_LIFE_DAYS)
 HALF_LIFE_DAYS = 7.0
 REMEMBERED_WAIT = 8  # an arm known only from earlier sessions runs again after this many rounds
@@ -97,6 +103,8 @@ class Rate:
     live: int = 0  # rounds measured in this session
     measured_at: float = 0.0  # unix time of the latest measurement (kept with the rate between sessions)
     catch_up_s: float = 0.0  # seconds of its latest catching-up round (a drafter with a cache of its own), not counted
+    round_rate: float = 0.0  # this session's per-round rates (tokens / seconds of each round), weighted as above
+    round_rate_sq: float = 0.0  # ... and their squares: how much they vary (`spread`)
 
     @classmethod
     def remembered(cls, entry: dict, now: float) -> "Rate | None":
@@ -123,6 +131,10 @@ class Rate:
         self.measured_at = time.time()
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
+        r = tokens / seconds if seconds > 0 else 0.0
+        first = self.live == 1  # a remembered rate brings no per-round rates
+        self.round_rate += (1.0 if first else w) * (r - self.round_rate)
+        self.round_rate_sq += (1.0 if first else w) * (r * r - self.round_rate_sq)
         self.last = at
 
     @property
@@ -130,9 +142,21 @@ class Rate:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
+    def spread(self) -> float:
+        """How far one round's rate strays from the arm's, relative: the coefficient of variation of this session's
+        per-round rates, at least CV_FLOOR and at most SPREAD; SPREAD until two rounds of this session tell. Plain
+        decoding's rounds all give one token at nearly the same cost, so two of them settle its rate; a drafting
+        mode's rounds give 1 to K+1 tokens, greedy ones without the smoothing of acceptance probabilities."""
+        if self.live < 2 or self.round_rate <= 0:
+            return SPREAD
+        cv = math.sqrt(max(self.round_rate_sq - self.round_rate**2, 0.0)) / self.round_rate
+        return min(SPREAD, max(CV_FLOOR, cv))
+
+    @property
     def upper(self) -> float:
-        """What the rate could still be, given how few rounds it rests on (a remembered one: all of its rounds)."""
-        return self.per_s * (1 + SPREAD / math.sqrt(max(self.rounds, self.earlier + self.live, 1)))
+        """What the rate could still be, given how few rounds it rests on (a remembered one: all of its rounds) and
+        how much they vary."""
+        return self.per_s * (1 + self.spread / math.sqrt(max(self.rounds, self.earlier + self.live, 1)))
 
 
 @dataclass
