@@ -12,8 +12,10 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
   tokens are the drafts that match the reply, plus one; its seconds the draft time recorded at that position (plus
   the catching-up for the tokens the drafter missed) and a verify time drawn from those recorded for its length.
   Each single mode is replayed the same way. One replay is a session asked every prompt in turn, --reps times,
-  as benchmarks/auto_pairs.py does live; many replays (--draws) average the timing noise out, and the acceptance
-  has none. auto's rates per reply are set against each mode's for the same reply and draw.
+  as benchmarks/auto_pairs.py does live, in an order drawn anew for each replay (so every prompt is the first,
+  cold-start reply of some replays); many replays (--draws) average the timing noise out, and the acceptance
+  has none. With --learnt, auto starts each replay from the rates a session on another recording saved (the
+  same models; other prompts), as a session on a setup seen before does. auto's rates per reply are set against each mode's for the same reply and draw.
 
     python benchmarks/auto_replay.py record --target q1.5b.gguf --draft q0.5b.gguf --prompts specchat/bench/prompts.jsonl \
         --max-new-tokens 64 --out /tmp/qwen-tuning.json
@@ -194,7 +196,7 @@ def load_auto(path: str | None, overrides: list[str]):
         from specchat.engine.drafters import auto as module
     else:
         spec = importlib.util.spec_from_file_location("auto_variant", path)
-        module = importlib.util.module_from_spec(spec)
+        module = sys.modules["auto_variant"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
         spec.loader.exec_module(module)
     for item in overrides:
         name, _, value = item.partition("=")
@@ -202,9 +204,24 @@ def load_auto(path: str | None, overrides: list[str]):
     return module
 
 
-def replay_session(trace: Trace, mode: str, auto_module, reps: int, rng: random.Random):
-    """One session asked every reply's prompt in turn, `reps` times: per reply (pass, index), decode tokens/s
-    (rounds after the first, as auto_pairs.py counts) and the rounds by mode."""
+class Memory:
+    """store.LearntRates in memory: what one replayed session saves, the next one loads."""
+
+    def __init__(self) -> None:
+        self.rates: dict = {}
+
+    def load(self) -> dict:
+        return json.loads(json.dumps(self.rates))
+
+    def save(self, rates: dict) -> None:
+        self.rates = json.loads(json.dumps(rates))
+
+
+def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps: int, rng: random.Random,
+                   memory: Memory | None = None):
+    """One session asked the replies' prompts in `order`, `reps` times: per reply (pass, index), decode tokens/s
+    (rounds after the first, as auto_pairs.py counts) and the rounds by mode. auto starts from what `memory` holds
+    and saves its rates there after every reply, as a session does."""
     from specchat.engine.cache import common_prefix
     from specchat.engine.drafters.suffix import SuffixDrafter
     from specchat.engine.events import RoundRecord
@@ -217,11 +234,12 @@ def replay_session(trace: Trace, mode: str, auto_module, reps: int, rng: random.
     candidates = {"off": off, "suffix": suffix, **recorded}
     chooser = None
     if mode == "auto":
-        chooser = auto_module.AutoDrafter({m: candidates[m] for m in auto_module.CANDIDATES if m in candidates})
+        chooser = auto_module.AutoDrafter({m: candidates[m] for m in auto_module.CANDIDATES if m in candidates}, memory)
     k, limit = trace.k, trace.limit
     rates, rounds = {}, Counter()
     for rep in range(reps):
-        for index, r in enumerate(trace.replies):
+        for index in order:
+            r = trace.replies[index]
             reply, tokens = r["reply"], list(r["prompt"])
             state = SimpleNamespace(tokens=tokens)
             if chooser is not None:
@@ -266,38 +284,55 @@ def replay_session(trace: Trace, mode: str, auto_module, reps: int, rng: random.
                 j += len(new)
                 round_index += 1
             rates[rep, index] = decode_tokens / decode_s if decode_s else float("nan")
+            if chooser is not None:
+                chooser.save()
     return rates, rounds
 
 
 def replay(args) -> None:
     trace = Trace(args.trace)
+    learnt = Trace(args.learnt) if args.learnt else None
     auto_module = load_auto(args.auto_module, args.set or [])
     modes = [m for m in ("off", *trace.modes) if m in args.modes.split(",") or args.modes == "all"]
     ratios = {m: defaultdict(list) for m in modes}  # mode -> (rep, reply) -> auto ÷ mode, one per draw
+    first = {m: [] for m in modes}  # auto ÷ mode on each session's first reply (auto knows nothing yet)
     rounds = Counter()
     for draw in range(args.draws):
         seeds = {m: random.Random(f"{draw}-{m}") for m in ("auto", *modes)}
-        auto_rates, auto_rounds = replay_session(trace, "auto", auto_module, args.reps, seeds["auto"])
+        order = list(range(len(trace.replies)))
+        random.Random(f"{draw}-order").shuffle(order)  # each draw's session meets another prompt first
+        memory = None
+        if learnt is not None:  # an earlier session on other prompts, one pass, its rates kept
+            memory = Memory()
+            replay_session(learnt, "auto", auto_module, list(range(len(learnt.replies))), 1, seeds["auto"], memory)
+        auto_rates, auto_rounds = replay_session(trace, "auto", auto_module, order, args.reps, seeds["auto"], memory)
         rounds += auto_rounds
         for m in modes:
-            mode_rates, _ = replay_session(trace, m, auto_module, args.reps, seeds[m])
+            mode_rates, _ = replay_session(trace, m, auto_module, order, args.reps, seeds[m])
             for key, rate in auto_rates.items():
                 ratios[m][key].append(rate / mode_rates[key])
+            first[m].append(auto_rates[0, order[0]] / mode_rates[0, order[0]])
     print(f"\n{trace.name}: {len(trace.replies)} replies, K={trace.k}, {trace.limit} tokens at most, {args.reps} passes, "
           f"{args.draws} draws (recorded under load {trace.load[0]:.2f} -> {trace.load[1]:.2f})"
-          + (f"; auto from {args.auto_module}" if args.auto_module else "") + (f"; {' '.join(args.set)}" if args.set else ""))
-    print("\n| auto ÷ | geometric mean (all replies) | by pass | lowest reply (its mean over draws) |")
-    print("|---|---|---|---|")
+          + (f"; auto from {args.auto_module}" if args.auto_module else "") + (f"; {' '.join(args.set)}" if args.set else "")
+          + (f"; auto starts from the rates of a session on {Path(args.learnt).name}" if learnt else ""))
+    print("\n| auto ÷ | geometric mean (all replies) | ± (95%, over draws) | by pass | a session's first reply | "
+          "lowest reply (its mean over draws) |")
+    print("|---|---|---|---|---|---|")
+
+    def geo(values):
+        return math.exp(statistics.fmean(math.log(v) for v in values))
+
     for m in modes:
-        def geo(values):
-            return math.exp(statistics.fmean(math.log(v) for v in values))
         every = [v for values in ratios[m].values() for v in values]
+        per_draw = [geo([values[d] for values in ratios[m].values()]) for d in range(args.draws)]
+        half = 1.96 * statistics.stdev(per_draw) / math.sqrt(args.draws) if args.draws > 1 else float("nan")
         by_pass = [geo([v for (rep, _), values in ratios[m].items() if rep == p for v in values]) for p in range(args.reps)]
         lowest = min(ratios[m], key=lambda key: geo(ratios[m][key]))
-        print(f"| {m} | {geo(every):.3f} | {' / '.join(f'{v:.3f}' for v in by_pass)} | "
+        print(f"| {m} | {geo(every):.3f} | {half:.3f} | {' / '.join(f'{v:.3f}' for v in by_pass)} | {geo(first[m]):.3f} | "
               f"{trace.replies[lowest[1]]['name']} pass {lowest[0]}: {geo(ratios[m][lowest]):.3f} |")
     total = sum(rounds.values())
-    print(f"\nauto's rounds by mode: " + ", ".join(f"{m} {n / total:.1%}" for m, n in rounds.most_common()))
+    print("\nauto's rounds by mode: " + ", ".join(f"{m} {n / total:.1%}" for m, n in rounds.most_common()))
 
 
 def main() -> None:
@@ -317,6 +352,8 @@ def main() -> None:
     rep.add_argument("--modes", default="all", help="the single modes auto is set against (comma-separated)")
     rep.add_argument("--reps", type=int, default=2, help="passes over the prompts in one session")
     rep.add_argument("--draws", type=int, default=100)
+    rep.add_argument("--learnt", default=None, help="a recording (other prompts, same models) an earlier session ran: "
+                     "auto starts from the rates it saved")
     rep.add_argument("--auto-module", default=None, help="another version of drafters/auto.py to replay")
     rep.add_argument("--set", nargs="*", help="auto's constants overridden, e.g. SPREAD=0.3 MIN_ROUNDS=1")
     args = ap.parse_args()
