@@ -14,11 +14,12 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
   Each single mode is replayed the same way. One replay is a session asked every prompt in turn, --reps times,
   as benchmarks/auto_pairs.py does live, in an order drawn anew for each replay (so every prompt is the first,
   cold-start reply of some replays); many replays (--draws) average the timing noise out, and the acceptance
-  has none. With --learnt, auto starts each replay from the rates a session on another recording saved (the
-  same models; other prompts), as a session on a setup seen before does. auto's rates per reply are set against each mode's for the same reply and draw.
+  has none. auto's rate on each reply is set against each mode's on the same reply and replay. With --learnt,
+  auto starts each replay from the rates a session on another recording saved (the same models, other prompts),
+  as a session on a setup seen before does.
 
-    python benchmarks/auto_replay.py record --target q1.5b.gguf --draft q0.5b.gguf --prompts specchat/bench/prompts.jsonl \
-        --max-new-tokens 64 --out /tmp/qwen-tuning.json
+    python benchmarks/auto_replay.py record --target q1.5b.gguf --draft q0.5b.gguf \
+        --prompts specchat/bench/prompts.jsonl --max-new-tokens 64 --out /tmp/qwen-tuning.json
     python benchmarks/auto_replay.py replay /tmp/qwen-tuning.json --draws 200
 
 What a replay leaves out, so read its figures as auto's rules on these rounds, not as a live speedup: greedy only
@@ -82,15 +83,18 @@ def record(args) -> None:
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     k = args.k
     out = {"target": args.target or "default", "draft": args.draft, "k": k, "max_new_tokens": args.max_new_tokens,
-           "prompts_file": args.prompts, "load_before": os.getloadavg(), "modes": {m: {"catches_up": d.catches_up} for m, d in drafters.items()},
-           "verify_s": defaultdict(list), "catch_up_s": defaultdict(lambda: defaultdict(list)), "replies": []}
-    rotation = [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # besides K + 1 (and 1) at every position
+           "prompts_file": args.prompts, "load_before": os.getloadavg(),
+           "modes": {m: {"catches_up": d.catches_up} for m, d in drafters.items()},
+           "verify_s": defaultdict(list),  # positions -> seconds of each timed verify
+           "catch_up_s": defaultdict(lambda: defaultdict(list)),  # mode -> missed tokens -> seconds of its K drafts
+           "replies": []}
+    rotation = [n for n in range(1, MAX_POSITIONS + 1) if n != k + 1]  # besides K + 1 and 1 at every position
     turn = 0
     torch.set_grad_enabled(False)
     for item in prompts:
         prompt = target.chat_ids([{"role": "user", "content": item["prompt"]}])
-        records = list(generate(state, prompt, Controls(drafter=PlainDecoding(), sampling=greedy), max_new_tokens=args.max_new_tokens,
-                                eos_ids=target.eos_ids))
+        records = list(generate(state, prompt, Controls(drafter=PlainDecoding(), sampling=greedy),
+                                max_new_tokens=args.max_new_tokens, eos_ids=target.eos_ids))
         reply = [e.id for r in records for e in r.tokens]
         ended = records[-1].stop_reason == "eos"
         drafts = {m: [] for m in drafters}
@@ -166,10 +170,9 @@ class Trace:
         self.longest = max(self.verify_s)
         # a drafter's extra seconds to catch up on `gap` missed tokens: the timed catch-ups (K drafts and the
         # gap fed) less its median round (K drafts and 1-2 tokens fed), interpolated between gaps
-        self.catch_up = {}
-        for mode, by_gap in data["catch_up_s"].items():
-            usual = statistics.median(s for r in self.replies for s in r["draft_s"][mode][1:])
-            self.catch_up[mode] = sorted((int(g), max(statistics.median(v) - usual, 0.0)) for g, v in by_gap.items())
+        self.usual = {m: statistics.median(s for r in self.replies for s in r["draft_s"][m][1:]) for m in self.modes}
+        self.catch_up = {m: sorted((int(g), max(statistics.median(v) - self.usual[m], 0.0)) for g, v in by_gap.items())
+                         for m, by_gap in data["catch_up_s"].items()}
         self.load = (data["load_before"][0], data["load_after"][0])
         self.name = f"{Path(data['target']).name}" + (f" + {Path(data['draft']).name}" if data["draft"] else "")
 
@@ -241,11 +244,7 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
         for index in order:
             r = trace.replies[index]
             reply, tokens = r["reply"], list(r["prompt"])
-            state = SimpleNamespace(tokens=tokens)
-            if chooser is not None:
-                chooser.reset()
-            else:
-                candidates[mode].reset()
+            state = SimpleNamespace(tokens=tokens)  # (no reset between replies: a session keeps its drafters)
             j, round_index, decode_tokens, decode_s = 0, 0, 0, 0.0
             while j < len(reply):
                 drafter = chooser.for_round(state, greedy) if chooser is not None else candidates[mode]
@@ -260,12 +259,13 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
                     draft_s = time.perf_counter() - t0
                 else:
                     drafts = r["drafts"][name][j][:want]
-                    # the time recorded at this position (at j = 0 with the catching-up on the whole prompt)
-                    draft_s = r["draft_s"][name][j] * (len(drafts) / max(len(r["drafts"][name][j]), 1))
+                    # the time recorded at this position for K drafts (a catching-up drafter's at j = 0 fed the whole
+                    # prompt: its usual round's instead, and below what it missed, from the common prefix as it syncs)
+                    recorded_s = trace.usual[name] if drafter.catches_up and j == 0 else r["draft_s"][name][j]
+                    draft_s = recorded_s * len(drafts) / max(len(r["drafts"][name][j]), 1)
                     if drafter.catches_up:
-                        gap = len(tokens) - common_prefix(drafter.cached, tokens)
-                        draft_s += trace.extra(name, gap) if j else 0.0
-                        drafter.cached = tokens + drafts[:-1]
+                        draft_s += trace.extra(name, len(tokens) - common_prefix(drafter.cached, tokens))
+                        drafter.cached = tokens + drafts[:-1]  # it feeds every draft but the last
                 matched = _matched(drafts, reply[j:])
                 new = reply[j : j + matched + 1]
                 verify_s = trace.verify(len(drafts) + 1, rng) if j else (trace.verify(len(drafts), rng) if drafts else 0.0)
