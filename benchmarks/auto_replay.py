@@ -7,7 +7,7 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
 - `record` decodes each prompt's greedy reply once (plain decoding), then walks along it on the real target state
   and drafters: at every position it times each model drafter's K drafts (quant's int8 copy, a draft model, the
   head), times target verifies of 1..16 positions, and the catching-up of a drafter with a cache of its own after
-  8-64 missed tokens. One JSON file per model pair and prompt set.
+  8-64 missed tokens. One JSON file per model pair, engine (--engine torch or llama.cpp) and prompt set.
 - `replay` runs the real AutoDrafter (its module, or another version of it with --auto-module) on that: a round's
   tokens are the drafts that match the reply, plus one; its seconds the draft time recorded at that position (plus
   the catching-up for the tokens the drafter missed) and a verify time drawn from those recorded for its length.
@@ -24,7 +24,9 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
 
 What a replay leaves out, so read its figures as auto's rules on these rounds, not as a live speedup: greedy only
 (at T > 0 the tokens depend on the draws); rounds' times are drawn independently (a load spike lasting several
-rounds is not replayed); the suffix drafter's lookups are timed as they run in the replay (microseconds).
+rounds is not replayed); the suffix drafter's lookups are timed as they run in the replay (microseconds); on
+llama.cpp a batched verify may round a near-tie differently from plain decoding (`record` counts those positions;
+the replay follows plain decoding's tokens).
 """
 
 from __future__ import annotations
