@@ -93,7 +93,7 @@ def record(args) -> None:
            "verify_s": defaultdict(list),  # positions -> seconds of each timed verify
            "catch_up_s": defaultdict(lambda: defaultdict(list)),  # mode -> missed tokens -> seconds of its K drafts
            "replies": []}
-    rotation = [n for n in range(1, MAX_POSITIONS + 1) if n != k + 1]  # besides K + 1 and 1 at every position
+    rotation = [n for n in range(2, MAX_POSITIONS + 1) if n != k + 1]  # besides K + 1 and 1 at every position
     turn = flips = 0
     torch.set_grad_enabled(False)
     for item in prompts:
@@ -194,7 +194,7 @@ class Trace:
         points = self.catch_up.get(mode)
         if not points or gap <= 2:
             return 0.0
-        if gap <= points[0][0]:
+        if gap <= points[0][0] or len(points) == 1:  # (one timed gap: proportional to it)
             return points[0][1] * gap / points[0][0]
         for (g0, s0), (g1, s1) in zip(points, points[1:]):
             if gap <= g1:
