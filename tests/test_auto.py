@@ -53,9 +53,9 @@ def round_record(*, tokens, draft_len=4, **fields) -> SimpleNamespace:
 
 
 def play(auto, speeds: dict[str, float], rounds: int, text: list[int] | None = None,
-         jitter: dict[str, tuple[float, ...]] | None = None) -> list[str]:
+         jitter: dict[str, tuple[float, ...]] | None = None, k: int = 2) -> list[str]:
     """Run `rounds` rounds in which mode m emits speeds[m] tokens per second of engine time (one token per
-    0.01 s for plain decoding, drafting modes 2 tokens a round in 2 / speeds[m] s, suffix as many as a real round
+    0.01 s for plain decoding, drafting modes 2 tokens of k + 1 a round in 2 / speeds[m] s, suffix as many as a real round
     would: its drafts that `text` matches, plus one), the next ones of `text` (default: ids that never repeat,
     where suffix has no match); a mode's round times cycle through the factors jitter[m] (default: none). Returns
     the modes chosen."""
@@ -64,7 +64,7 @@ def play(auto, speeds: dict[str, float], rounds: int, text: list[int] | None = N
     for i in range(rounds):
         mode = auto.for_round(SimpleNamespace(tokens=tokens), T1).name
         chosen.append(mode)
-        drafted, emitted = (0, 1) if mode == "off" else (2, 2)
+        drafted, emitted = (0, 1) if mode == "off" else (k, 2)
         if mode == "suffix":
             drafts, _ = auto.candidates["suffix"].drafts(tokens, 4)
             follows = text[len(tokens) : len(tokens) + len(drafts)]
@@ -157,19 +157,45 @@ def _now() -> float:
     return time.time()
 
 
-@pytest.mark.parametrize("head_speed", [80.0, 20.0])
+@pytest.mark.parametrize("head_speed", [80.0, 45.0])
 def test_a_slower_mode_is_re_measured_less_and_less_often(head_speed):
     """Each re-measurement of the head is two rounds: one to catch up on what it missed, one counted. The waits
-    stretch by how far the head trails (1.25x, then 5x) times those two rounds (here alike), at most MAX_TRAIL."""
+    stretch by how far the head trails (1.25x, then 2.2x) times those two rounds (here alike), at most MAX_TRAIL.
+    (With every one of its 4 drafts accepted it would beat plain decoding: 2.5x its rate.)"""
     trail = min(100.0 / head_speed * 2, MAX_TRAIL)
     auto = scripted_auto()
-    chosen = play(auto, {"off": 100.0, "head": head_speed}, 2 * WARMUP + 1 + int(400 * trail))[2 * WARMUP + 1 :]
+    chosen = play(auto, {"off": 100.0, "head": head_speed}, 2 * WARMUP + 1 + int(400 * trail), k=4)[2 * WARMUP + 1 :]
     visits = [i for i, m in enumerate(chosen) if m == "head" and chosen[i - 1] != "head"]
     assert all(chosen[i : i + 3] == ["head", "head", "off"] for i in visits)
     gaps = [b - a for a, b in zip(visits, visits[1:])]
     assert len(gaps) >= 3 and gaps[0] > FIRST_WAIT * trail and all(b >= a for a, b in zip(gaps, gaps[1:]))  # doubling
     assert MAX_WAIT * trail < max(gaps) <= MAX_WAIT * trail + 2  # up to a limit: an estimate is never older than that
     assert chosen.count("off") > 0.93 * len(chosen)  # nothing pays: almost every round is plain
+
+
+def test_a_mode_that_cannot_win_with_every_draft_accepted_is_not_run_again_until_the_leader_slows():
+    """A head at 20 tok/s, 2 tokens of 3 possible a round: its ceiling, 30 tok/s, is below plain decoding's 100. After
+    catching up and one counted round (not MIN_ROUNDS) it is neither measured further nor re-measured; once plain
+    decoding slows below its ceiling (a change of load), it is measured again."""
+    auto = scripted_auto()
+    chosen = play(auto, {"off": 100.0, "head": 20.0}, 1000)
+    assert chosen[:4] == ["off"] * MIN_ROUNDS + ["head"] * 2 and chosen.count("head") == 2
+    assert auto.rates["head"].rounds == 1
+    later = play(auto, {"off": 25.0, "head": 20.0}, 200)
+    assert "head" in later and auto.rates["head"].rounds > 1
+
+
+def test_a_learnt_session_does_not_try_a_mode_that_could_not_win():
+    """The ceiling is saved with the rate: a session that learnt the head cannot beat plain decoding never runs it,
+    not even the re-measurement after REMEMBERED_WAIT rounds that a remembered rate gets. (The head at 60 tok/s, 2
+    tokens of 3 a round: ceiling 90 x 1.5 after one round, could still win; 90 x (1 + 0.1 / sqrt 2) after two.)"""
+    first = scripted_auto(memory=Memory())
+    assert play(first, {"off": 100.0, "head": 60.0}, 50).count("head") == 3  # catching up, two counted rounds
+    first.save()
+    second = scripted_auto(memory=Memory(first.memory.rates))
+    remembered = second._table(T1)["head"]
+    assert remembered.earlier == 2 and remembered.ceiling < 100
+    assert "head" not in play(second, {"off": 100.0, "head": 60.0}, 500)
 
 
 def test_a_rate_measured_long_ago_gives_way_to_a_new_round():

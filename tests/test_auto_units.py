@@ -4,6 +4,7 @@ expected number is worked out in the comments. (Written for the mutation score o
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -104,8 +105,40 @@ def test_rate_per_second_and_its_upper_bound():
 
 
 def test_a_rate_is_saved_with_all_its_rounds_and_its_time():
-    r = Rate(2.0, 0.5, rounds=3, earlier=40, live=2, measured_at=1234.5)
-    assert r.saved() == {"tokens": 2.0, "seconds": 0.5, "rounds": 42, "at": 1234.5}
+    r = Rate(2.0, 0.5, most=5.0, rounds=3, earlier=40, live=2, measured_at=1234.5, round_ceiling=10.0,
+             round_ceiling_sq=104.0)  # this session's rounds' ceilings: mean 10, standard deviation 2
+    assert r.saved() == {"tokens": 2.0, "seconds": 0.5, "most": 5.0, "ceiling_cv": pytest.approx(0.2), "rounds": 42,
+                         "at": 1234.5}
+    assert Rate(2.0, 0.5, live=1, ceiling_cv=0.15).saved()["ceiling_cv"] == 0.15  # one round: what it had
+
+
+def test_the_ceiling_is_the_rate_with_every_draft_accepted_with_its_timings_spread():
+    r = Rate()
+    assert r.ceiling == math.inf  # nothing measured: no bound
+    r.add(2.0, 0.5, at=1, most=5.0)  # 2 tokens of 5 possible, 0.5 s
+    assert r.most == 5.0 and r.ceiling == pytest.approx(10.0 * 1.5)  # one round: the widest spread, 0.5
+    r.add(4.0, 0.5, at=2, most=5.0)  # acceptance varies, timing does not
+    assert r.ceiling == pytest.approx(10.0 * (1 + 0.1 / math.sqrt(2)))  # the floor, 0.1
+    assert r.spread == pytest.approx(1 / 3)  # the rate's: per-round rates 4 and 8
+    r.add(1.0, 0.5, at=3, most=1.0)  # a round that drafted nothing: its ceiling is its token
+    assert r.most == pytest.approx(11 / 3)
+    plain = Rate()
+    plain.add(1.0, 0.01, at=1)  # `most` not given: what it gave (plain decoding's one token)
+    plain.add(1.0, 0.03, at=2)
+    assert plain.most == 1.0 and plain.ceiling == pytest.approx(plain.upper)  # its rate's upper bound
+
+
+def test_a_remembered_ceiling_is_loaded_only_when_it_makes_sense():
+    now = 1_000_000_000.0
+    entry = {"tokens": 2.0, "seconds": 0.5, "rounds": 50, "at": now}
+    assert Rate.remembered({**entry, "most": 5.0}, now).most == 5.0
+    assert Rate.remembered(entry, now).ceiling == math.inf  # saved before it was kept
+    # its spread as saved (within CV_FLOOR..SPREAD), over all its rounds: 10 * (1 + 0.2 / sqrt 50)
+    assert Rate.remembered({**entry, "most": 5.0, "ceiling_cv": 0.2}, now).ceiling == pytest.approx(10 * (1 + 0.2 / 50**0.5))
+    assert Rate.remembered({**entry, "ceiling_cv": 0.01}, now).ceiling_cv == CV_FLOOR
+    assert Rate.remembered({**entry, "ceiling_cv": None}, now).ceiling_cv == SPREAD
+    assert Rate.remembered({**entry, "most": 1.0}, now).most == 0.0  # below its tokens: not a ceiling
+    assert Rate.remembered({**entry, "most": "x"}, now).most == 0.0
 
 
 def test_a_remembered_rate_weighs_at_most_three_rounds_halved_per_week():
@@ -239,7 +272,8 @@ def test_save_merges_this_sessions_rates_into_what_was_remembered():
     table["head"] = Rate(2.0, 0.5, rounds=1, live=1, measured_at=10.0)  # measured now
     table["off"] = Rate(9.0, 9.0, rounds=3, earlier=9, live=0)  # only remembered: not re-saved
     auto.save()
-    assert memory.saved == [{T1_KEY: {"off": old, "lookup": old, "head": {"tokens": 2.0, "seconds": 0.5, "rounds": 1, "at": 10.0}},
+    assert memory.saved == [{T1_KEY: {"off": old, "lookup": old, "head": {"tokens": 2.0, "seconds": 0.5, "most": 0.0, "ceiling_cv": 0.5, "rounds": 1,
+                                                                     "at": 10.0}},
                              "T=0.5 top_k=0 top_p=1": {"head": old}, "greedy": {}}]
     assert memory.rates[T1_KEY] == {"off": old, "lookup": old}  # what was loaded is not changed in place
     auto_with("head").save()  # no memory: nothing to do
@@ -364,6 +398,23 @@ def test_a_losing_arm_is_re_measured_after_its_wait_which_doubles_up_to_64_times
     assert auto.choose([1])[0] == "draft"
 
 
+def test_an_arm_that_cannot_beat_the_leader_with_every_draft_accepted_is_not_run_again():
+    """(A draft model on llama.cpp: 5 tokens at most for ~6 plain steps.) rate() has seconds = 1 and no rounds of
+    this session: the ceiling is most * (1 + 0.5 / sqrt(rounds))."""
+    auto = auto_with("draft")
+    auto.rates["off"] = rate(100.0, rounds=2)
+    auto.rates["draft"] = rate(50.0, rounds=1, most=60.0)  # one round: at most 60 * 1.5 = 90 < off's 100
+    assert auto.choose([1]) == ("off", "off 100 tok/s vs draft 50")  # not measured a second time
+    auto.rates["draft"] = rate(50.0, rounds=1, most=70.0)  # at most 105: it could still win
+    assert auto.choose([1]) == ("draft", "measuring every mode first")
+    auto = settled(auto_with("head", "draft"), off=50.0, head=200.0, draft=20.0)
+    auto.rates["draft"].most = 80.0  # its ceiling: 80 * (1 + 0.5 / sqrt 6) = 96.3
+    auto.rounds = auto.rates["off"].last = 10_000  # long over the draft's wait (off just measured)
+    assert auto.choose([1])[0] == "head"
+    auto.rates["head"] = rate(90.0, last=10_000)  # the leader's rate falls below the draft's ceiling (a change of
+    assert auto.choose([1]) == ("draft", "re-measuring draft")  # load): measured again
+
+
 def test_the_incumbent_stays_unless_another_is_more_than_five_percent_faster():
     auto = settled(auto_with("head", "draft"), off=20.0, head=20.0 * 1.05, draft=10.0)
     auto.arm = "off"
@@ -409,6 +460,7 @@ def test_a_round_is_credited_to_the_arm_that_ran_it():
     auto.observe(record("suffix", expected=2.5, draft_s=0.25, verify_s=0.75))
     r = auto.rates["suffix3-5"]
     assert (r.rounds, r.tokens, r.seconds, r.last) == (1, 2.5, 1.0, 12)  # seconds: draft + verify
+    assert r.most == 3.0  # with both drafts accepted
     assert auto.caught_up is None and auto.ran == "suffix"
     auto.observe(record("off", drafted=0, tokens=[0], expected=1.0))  # another mode ran: credited to it
     assert auto.rates["off"].rounds == 1 and auto.rates["suffix3-5"].rounds == 1
@@ -462,8 +514,6 @@ def test_a_tie_goes_to_plain_decoding_wherever_it_stands_among_the_candidates():
 
 def test_a_three_round_rate_is_forgotten_log2_3_half_lives_after_it_was_measured():
     """3 * 0.5 ** (age / 7 days) falls below one round at age = 7 days * log2(3) (a day of 86400 s)."""
-    import math
-
     now = 1_000_000_000.0
     limit = 7 * 86400 * math.log2(3)
     entry = {"tokens": 4, "seconds": 2, "rounds": 3}

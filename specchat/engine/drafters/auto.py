@@ -24,6 +24,11 @@ upper bound that narrows as rounds come in, is above the leader's (a UCB-style r
 where one mode is clearly ahead). The spread is how much the arm's own per-round rates vary (Rate.spread, between
 CV_FLOOR and SPREAD): two plain rounds settle plain decoding, whose every round is one token at one step's cost,
 where a fixed SPREAD kept it racing against one unlucky quant round (section 17 of benchmarks/RESULTS.md).
+A candidate whose ceiling (Rate.ceiling: its rate had every draft been accepted, from what its rounds cost) is below
+the leader's rate cannot win whatever the target says: it is not measured further, nor re-measured, until the
+leader's rate falls below it (a change of load). On llama.cpp with the Qwen pair, a verify of 5 positions costs 3.9
+plain steps and the draft model's 4 drafts 2.5 more, so even 5 tokens a round lose; re-measuring it cost auto 8%
+against plain decoding (section 21).
 Then each round runs the best, except that a candidate not run for a while runs again (its wait doubles each
 time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the rounds a re-measurement takes,
 up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is
@@ -34,8 +39,9 @@ machine): after each reply the session saves every arm's rate; a new session sta
 reply runs the best known mode at once. A remembered rate weighs as PRIOR_ROUNDS rounds, halved every
 HALF_LIFE_DAYS since it was measured (forgotten under one round: measured afresh), so the session's own rounds
 replace it within a few; and an arm known only from memory is re-measured after REMEMBERED_WAIT rounds, so a
-change of load since (or a rate learnt on a quieter day) cannot pin a bad choice. Another CPU or thread setting
-is another file: learnt afresh.
+change of load since (or a rate learnt on a quieter day) cannot pin a bad choice. The ceiling is saved with the
+rate, so a learnt session does not try an arm that could not win. Another CPU or thread setting is another file:
+learnt afresh.
 
 The suffix drafter is special: it only drafts where the last tokens occurred before (in this conversation or a
 saved one), so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
@@ -96,6 +102,7 @@ class Rate:
 
     tokens: float = 0.0
     seconds: float = 0.0
+    most: float = 0.0  # tokens a round would have given with every draft accepted (1 + its drafts), weighted alike
     rounds: int = 0
     last: int = 0  # the auto round of its latest measurement
     wait: int = FIRST_WAIT  # rounds it may go unmeasured
@@ -105,6 +112,9 @@ class Rate:
     catch_up_s: float = 0.0  # seconds of its latest catching-up round (a drafter with a cache of its own), not counted
     round_rate: float = 0.0  # this session's per-round rates (tokens / seconds of each round), weighted as above
     round_rate_sq: float = 0.0  # ... and their squares: how much they vary (`spread`)
+    round_ceiling: float = 0.0  # the same of each round's ceiling (most / seconds): its timing alone varies
+    round_ceiling_sq: float = 0.0
+    ceiling_cv: float = SPREAD  # the ceiling's spread until two rounds of this session tell (remembered: as saved)
 
     @classmethod
     def remembered(cls, entry: dict, now: float) -> "Rate | None":
@@ -116,12 +126,18 @@ class Rate:
         weight = min(PRIOR_ROUNDS, earlier) * 0.5 ** (max(now - at, 0.0) / (HALF_LIFE_DAYS * 86400))
         if weight < 1 or tokens <= 0 or seconds <= 0:
             return None
-        return cls(tokens, seconds, rounds=int(weight + 0.5), wait=REMEMBERED_WAIT, earlier=earlier, measured_at=at)
+        most, cv = entry.get("most", 0.0), entry.get("ceiling_cv", SPREAD)  # (saved before they were kept: none)
+        most = float(most) if isinstance(most, (int, float)) and most >= tokens else 0.0
+        cv = min(SPREAD, max(CV_FLOOR, float(cv))) if isinstance(cv, (int, float)) else SPREAD
+        return cls(tokens, seconds, most, rounds=int(weight + 0.5), wait=REMEMBERED_WAIT, earlier=earlier, measured_at=at,
+                   ceiling_cv=cv)
 
     def saved(self) -> dict:
-        return {"tokens": self.tokens, "seconds": self.seconds, "rounds": self.earlier + self.live, "at": self.measured_at}
+        return {"tokens": self.tokens, "seconds": self.seconds, "most": self.most,
+                "ceiling_cv": self._cv(self.round_ceiling, self.round_ceiling_sq, self.ceiling_cv),
+                "rounds": self.earlier + self.live, "at": self.measured_at}
 
-    def add(self, tokens: float, seconds: float, at: int) -> None:
+    def add(self, tokens: float, seconds: float, at: int, most: float | None = None) -> None:
         # what the estimate so far weighs against this round, in rounds: at most WINDOW - 1, less the longer the arm
         # went unmeasured (halved every DECAY rounds), so a rate measured before a change of load gives way at once
         kept = min(self.rounds, WINDOW - 1) * 0.5 ** (max(at - self.last - 1, 0) / DECAY) if self.rounds else 0.0
@@ -131,10 +147,14 @@ class Rate:
         self.measured_at = time.time()
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
+        self.most += w * ((tokens if most is None else max(most, tokens)) - self.most)
         r = tokens / seconds if seconds > 0 else 0.0
-        first = self.live == 1  # a remembered rate brings no per-round rates
-        self.round_rate += (1.0 if first else w) * (r - self.round_rate)
-        self.round_rate_sq += (1.0 if first else w) * (r * r - self.round_rate_sq)
+        c = (tokens if most is None else max(most, tokens)) / seconds if seconds > 0 else 0.0
+        w = 1.0 if self.live == 1 else w  # a remembered rate brings no per-round rates
+        self.round_rate += w * (r - self.round_rate)
+        self.round_rate_sq += w * (r * r - self.round_rate_sq)
+        self.round_ceiling += w * (c - self.round_ceiling)
+        self.round_ceiling_sq += w * (c * c - self.round_ceiling_sq)
         self.last = at
 
     @property
@@ -147,16 +167,32 @@ class Rate:
         per-round rates, at least CV_FLOOR and at most SPREAD; SPREAD until two rounds of this session tell. Plain
         decoding's rounds all give one token at nearly the same cost, so two of them settle its rate; a drafting
         mode's rounds give 1 to K+1 tokens, greedy ones without the smoothing of acceptance probabilities."""
-        if self.live < 2 or self.round_rate <= 0:
-            return SPREAD
-        cv = math.sqrt(max(self.round_rate_sq - self.round_rate**2, 0.0)) / self.round_rate
-        return min(SPREAD, max(CV_FLOOR, cv))
+        return self._cv(self.round_rate, self.round_rate_sq)
+
+    def _cv(self, mean: float, mean_sq: float, before: float = SPREAD) -> float:
+        if self.live < 2 or mean <= 0:
+            return before
+        return min(SPREAD, max(CV_FLOOR, math.sqrt(max(mean_sq - mean**2, 0.0)) / mean))
+
+    @property
+    def _n(self) -> int:
+        """The rounds its estimates rest on (a remembered one: all of its rounds)."""
+        return max(self.rounds, self.earlier + self.live, 1)
+
+    @property
+    def ceiling(self) -> float:
+        """Its rate if every draft were accepted, with the spread of its rounds' timing: drafts and verifies cost
+        what they cost whatever the target says, so no luck in acceptance brings it above this (inf until a round
+        tells). Plain decoding's is its rate's upper bound."""
+        if self.seconds <= 0 or self.most <= 0:
+            return math.inf
+        cv = self._cv(self.round_ceiling, self.round_ceiling_sq, self.ceiling_cv)
+        return self.most / self.seconds * (1 + cv / math.sqrt(self._n))
 
     @property
     def upper(self) -> float:
-        """What the rate could still be, given how few rounds it rests on (a remembered one: all of its rounds) and
-        how much they vary."""
-        return self.per_s * (1 + self.spread / math.sqrt(max(self.rounds, self.earlier + self.live, 1)))
+        """What the rate could still be, given how few rounds it rests on and how much they vary."""
+        return self.per_s * (1 + self.spread / math.sqrt(self._n))
 
 
 @dataclass
@@ -293,11 +329,15 @@ class AutoDrafter(Drafter):
         # as its drafts has a cost (before, it runs to measure one)
         suffix = self.candidates.get("suffix")
         shadowed = suffix is not None and self.verify_cost(suffix.draft_len(self.k) + 1) is not None
-        run_to_measure = [arm for arm in eligible if not (shadowed and self.arm_mode[arm] == "suffix")]
+        best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
+        # an arm whose ceiling is below the leader's rate is not run again: it cannot win, whatever its acceptance
+        # (a draft model on llama.cpp, where its round costs ~6 plain steps for 5 tokens at most); it is tried again
+        # only when the leader's rate falls below its ceiling (a change of load)
+        run_to_measure = [arm for arm in eligible if not (shadowed and self.arm_mode[arm] == "suffix")
+                          and (arm == best or rates[arm].ceiling >= rates[best].per_s)]
         for arm in run_to_measure:
             if rates[arm].rounds < MIN_ROUNDS:
                 return arm, "measuring every mode first"
-        best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
         if self.caught_up in eligible and self.caught_up != best:
             return self.caught_up, f"re-measuring {self.caught_up}"  # the round that counts, after catching up
@@ -370,7 +410,7 @@ class AutoDrafter(Drafter):
         if arm not in self.rates:
             return
         tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
-        self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds)
+        self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds, most=record.drafted + 1)
 
     def average_verify(self, positions: int, seconds: float) -> None:
         """Fold one verify's seconds into the average for its positions (the first counts whole, then 1/8)."""
@@ -386,7 +426,7 @@ class AutoDrafter(Drafter):
             tokens = shadow.tokens()
             cost = self.verify_cost(len(shadow.drafts) + 1)
             if tokens is not None and cost is not None:
-                shadow.table[shadow.arm].add(tokens, cost + self.suffix_draft_s, self.rounds)
+                shadow.table[shadow.arm].add(tokens, cost + self.suffix_draft_s, self.rounds, most=len(shadow.drafts) + 1)
             elif tokens is None and not ended:
                 pending.append(shadow)
         self.shadows = pending
