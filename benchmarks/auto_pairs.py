@@ -2,7 +2,10 @@
 
 One session per mode, each asked the same prompts one after another (a user's session of unrelated questions:
 auto learns as it goes, from nothing: earlier_sessions=False), modes interleaved per prompt in a rotated order.
-A reply's figure is decode tokens per second (every round after the first). auto's ratio to a mode is paired
+A reply's figure is decode tokens per second: every token but the first (the prompt's prefill gives its logits) over
+every round's draft and verify time. Round 0 counts: there a draft model or the head first catches up on the whole
+prompt, which a session of that mode pays, as auto pays it in a later round (before 2026-12-03 round 0 was left
+out, which favoured mode draft in auto's ratios). auto's ratio to a mode is paired
 with that mode's reply to the same prompt, repetition and temperature, run next to it, and summarised as the
 geometric mean and median of those ratios: a bench's ratio of two medians of ratios to plain decoding carries
 the noise of three configurations where this carries two.
@@ -35,11 +38,12 @@ from specchat.session import Session  # noqa: E402
 
 
 def decode_rate(session: Session, prompt: str) -> tuple[float, Counter]:
-    """Tokens per second of a fresh conversation's reply (its first round left out), and its rounds by mode."""
+    """Tokens per second of a fresh conversation's reply (all but the prefill's token, over every round's draft and
+    verify time), and its rounds by mode."""
     records = list(session.complete(session.chat_prompt([{"role": "user", "content": prompt}])))
-    tokens = sum(len(r.tokens) for r in records[1:])
-    seconds = sum(r.draft_s + r.verify_s for r in records[1:])
-    return tokens / seconds, Counter(r.mode for r in records[1:])
+    tokens = sum(len(r.tokens) for r in records) - 1
+    seconds = sum(r.draft_s + r.verify_s for r in records)
+    return tokens / seconds, Counter(r.mode for r in records)
 
 
 def main() -> None:

@@ -233,7 +233,7 @@ class Memory:
 def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps: int, rng: random.Random,
                    memory: Memory | None = None):
     """One session asked the replies' prompts in `order`, `reps` times: per reply (pass, index), decode tokens/s
-    (rounds after the first, as auto_pairs.py counts) and the rounds by mode. auto starts from what `memory` holds
+    (every token but the prefill's over every round's time, as auto_pairs.py counts) and the rounds by mode. auto starts from what `memory` holds
     and saves its rates there after every reply, as a session does."""
     from specchat.engine.cache import common_prefix
     from specchat.engine.drafters.suffix import SuffixDrafter
@@ -286,10 +286,9 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
                                      expected_tokens=float(len(new)))
                 if chooser is not None:
                     chooser.observe(record)
-                if round_index > 0:
-                    decode_tokens += len(new)
-                    decode_s += draft_s + verify_s
-                    rounds[name] += 1
+                decode_tokens += len(new) - (round_index == 0)  # (the first token is the prefill's)
+                decode_s += draft_s + verify_s
+                rounds[name] += 1
                 tokens.extend(new)
                 j += len(new)
                 round_index += 1

@@ -46,17 +46,21 @@ def recording(tmp_path: Path, replies: int = 3) -> str:
 def test_a_replayed_mode_emits_its_matching_drafts_plus_one_at_the_recorded_costs(replay, tmp_path):
     trace = replay.Trace(recording(tmp_path))
     rates, rounds = replay.replay_session(trace, "quant", auto, [0, 1, 2], 1, random.Random(0))
-    # rounds at positions 0 (not counted: the prefill's), 5, 10 and 15 emit 5 tokens each; at 20 one token is left,
-    # drafted by nobody: a one-position verify
-    assert rates[0, 0] == pytest.approx(16 / (3 * (DRAFT_S + verify_s(5)) + verify_s(1)))
-    assert rounds == {"quant": 4 * 3}
+    # rounds at positions 0, 5, 10 and 15 emit 5 tokens each (round 0 verifies its drafts only: the pending token's
+    # logits came with the prefill, and so the first token is not counted); at 20 one token is left, drafted by
+    # nobody: a one-position verify
+    assert rates[0, 0] == pytest.approx(20 / (DRAFT_S + verify_s(4) + 3 * (DRAFT_S + verify_s(5)) + verify_s(1)))
+    assert rounds == {"quant": 5 * 3}
     rates, rounds = replay.replay_session(trace, "draft", auto, [0, 1, 2], 1, random.Random(0))
-    # every draft rejected: one token a round at a draft's cost and a verify of 5 positions (a new prompt's
-    # catching-up falls in round 0, which is not counted); at positions 17-20 fewer drafts fit in the reply's 21
-    # tokens, each costing a quarter of the recorded time of four
+    # every draft rejected: one token a round at a draft's cost and a verify of 5 positions; at positions 17-20
+    # fewer drafts fit in the reply's 21 tokens, each costing a quarter of the recorded time of four
     end = sum(n / K * DRAFT_S + verify_s(n + 1) for n in (3, 2, 1, 0))
-    assert rates[0, 1] == pytest.approx(20 / (16 * (DRAFT_S + verify_s(5)) + end))
-    assert rounds == {"draft": 20 * 3}
+    assert rates[0, 1] == pytest.approx(20 / (DRAFT_S + verify_s(4) + 16 * (DRAFT_S + verify_s(5)) + end))
+    # the session's first reply: round 0 also feeds the draft model the 3-token prompt (the timed catch-ups, less a
+    # usual round, scaled down from the 8-token gap: CATCH_UP_S x 8/64 x 3/8); the next prompts share 2 tokens
+    first = DRAFT_S + CATCH_UP_S * 3 / 64 + verify_s(4)
+    assert rates[0, 0] == pytest.approx(20 / (first + 16 * (DRAFT_S + verify_s(5)) + end))
+    assert rounds == {"draft": 21 * 3}
 
 
 def test_auto_replayed_finds_the_mode_that_is_faster(replay, tmp_path):
