@@ -404,7 +404,7 @@ def test_an_arm_that_cannot_beat_the_leader_with_every_draft_accepted_is_not_run
     auto = auto_with("draft")
     auto.rates["off"] = rate(100.0, rounds=2)
     auto.rates["draft"] = rate(50.0, rounds=1, most=60.0)  # one round: at most 60 * 1.5 = 90 < off's 100
-    assert auto.choose([1]) == ("off", "off 100 tok/s vs draft 50")  # not measured a second time
+    assert auto.choose([1]) == ("off", "off 100 tok/s vs draft 50 (≤90)")  # not measured a second time
     auto.rates["draft"] = rate(50.0, rounds=1, most=70.0)  # at most 105: it could still win
     assert auto.choose([1]) == ("draft", "measuring every mode first")
     auto = settled(auto_with("head", "draft"), off=50.0, head=200.0, draft=20.0)
@@ -434,6 +434,9 @@ def test_the_explanation_names_where_the_figures_come_from():
     auto.rates["off"].earlier = auto.rates["head"].earlier = 0
     auto.rates["head"].live = 2000
     assert auto.explain("off", ["off", "head"]) == "off 100 tok/s vs head 200"
+    auto.rates["off"].most = 1.0  # its ceiling: 1 token / 0.01 s x (1 + 0.5 / sqrt 6) = 120, below the head's 200
+    auto.rates["off"].tokens, auto.rates["off"].seconds = 1.0, 0.01
+    assert auto.explain("head", ["off", "head"]) == "head 200 tok/s vs off 100 (≤120)"  # it cannot win
 
 
 def test_for_round_counts_rounds_and_uses_the_settings_table():

@@ -379,8 +379,12 @@ class AutoDrafter(Drafter):
         return costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
 
     def explain(self, best: str, eligible: list[str]) -> str:
-        others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" for a in eligible if a != best)
-        why = f"{best} {self.rates[best].per_s:.0f} tok/s" + (f" vs {others}" if others else "")
+        """The leader's rate against the others', each with its ceiling where that is below the leader's (it cannot
+        win: not run again), and where the figures come from."""
+        lead = self.rates[best].per_s
+        others = ", ".join(f"{a} {self.rates[a].per_s:.0f}" + (f" (≤{c:.0f})" if (c := self.rates[a].ceiling) < lead else "")
+                           for a in eligible if a != best)
+        why = f"{best} {lead:.0f} tok/s" + (f" vs {others}" if others else "")
         earlier, live = self.learnt_from  # where the figures come from first: the line is cut at the panel's width
         return (f"learnt over {earlier:,} rounds earlier + {live:,} now: " if earlier else "") + why
 
