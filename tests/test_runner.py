@@ -258,9 +258,9 @@ def run_both(monkeypatch, runner, ids, past, rows):
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3-hd64"])
 def test_the_c_layer_computes_what_pytorchs_layer_does(monkeypatch, family, weights):
-    """Logits and the K/V written, for 1, 3 and 16 rows after no past and after 37 positions (a prefill PyTorch runs:
-    more than 16 rows), within float32 rounding, for every family (biases, q/k norms, a head_dim of its own) and
-    every kind of weight a draft keeps. The tiny models' heads (8 or 16 wide) take the C code's scalar tails; heads
+    """Logits and the K/V written, for 1, 3 and 16 rows after no past, after 37 positions (a prefill PyTorch runs:
+    more than 16 rows) and after 150 (the C attention reads keys in blocks of at most 64), within float32 rounding,
+    for every family (biases, q/k norms, a head_dim of its own) and every kind of weight a draft keeps. The tiny models' heads (8 or 16 wide) take the C code's scalar tails; heads
     of 64, like the default model's, take its vector loops."""
     model = tiny("qwen3", tie=False, head_dim=64) if family == "qwen3-hd64" else tiny(family, tie=False)
     runner = lean_runner(model)
@@ -268,8 +268,8 @@ def test_the_c_layer_computes_what_pytorchs_layer_does(monkeypatch, family, weig
     with torch.inference_mode():
         assert all(runner._fused_layers(torch.zeros(1, 1, 32), runner.new_cache()))  # every layer runs in C
     rng = random.Random(3)
-    ids = [rng.randrange(VOCAB) for _ in range(60)]
-    for past, rows in ((0, 1), (0, 16), (37, 1), (37, 3), (37, 16)):
+    ids = [rng.randrange(VOCAB) for _ in range(170)]
+    for past, rows in ((0, 1), (0, 16), (37, 1), (37, 3), (37, 16), (150, 1), (150, 5)):
         fused, torch_layer = run_both(monkeypatch, runner, ids, past, rows)
         for a, b in zip(fused, torch_layer):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -282,16 +282,16 @@ def test_a_c_layer_row_does_not_depend_on_the_rows_fed_with_it_or_the_threads(he
     the scalar tails, heads of 64 the vector loops."""
     runner = lean_runner(tiny("qwen3", tie=False, head_dim=head_dim))
     rng = random.Random(4)
-    ids = [rng.randrange(VOCAB) for _ in range(40)]
+    ids = [rng.randrange(VOCAB) for _ in range(140)]
     cache = runner.new_cache()
-    runner.step(ids[:20], cache, 0, keep=1)
-    many = runner.step(ids[20:36], cache, 20, keep=16)
+    runner.step(ids[:120], cache, 0, keep=1)  # the rows' keys cross blocks of the C attention (64 at most)
+    many = runner.step(ids[120:136], cache, 120, keep=16)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            cache.crop(20)
-            one = torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(20, 36)])
+            cache.crop(120)
+            one = torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(120, 136)])
             assert torch.equal(many, one)
     finally:
         torch.set_num_threads(threads)
@@ -322,11 +322,11 @@ assert smallbatch.load(pathlib.Path(sys.argv[2])) and smallbatch.layer_usable()
 from test_runner import VOCAB, WEIGHTS, tiny
 from specchat.engine.runner import lean_runner
 rng = random.Random(3)
-ids = [rng.randrange(VOCAB) for _ in range(60)]
+ids = [rng.randrange(VOCAB) for _ in range(170)]
 with torch.inference_mode():
     for kind, convert in WEIGHTS.items():
         runner = lean_runner(tiny("qwen3", tie=False, head_dim=64)).with_weights(convert)
-        for past, rows in ((0, 16), (37, 1), (37, 3), (37, 16)):
+        for past, rows in ((0, 16), (37, 1), (37, 3), (37, 16), (150, 5)):
             out = {}
             for fused in (True, False):
                 smallbatch.layers_enabled = fused
@@ -337,10 +337,10 @@ with torch.inference_mode():
             torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
         smallbatch.layers_enabled = True
         cache = runner.new_cache()
-        runner.step(ids[:20], cache, 0, keep=1)
-        many = runner.step(ids[20:36], cache, 20, keep=16)
-        cache.crop(20)
-        assert torch.equal(many, torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(20, 36)])), kind
+        runner.step(ids[:120], cache, 0, keep=1)
+        many = runner.step(ids[120:136], cache, 120, keep=16)
+        cache.crop(120)
+        assert torch.equal(many, torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(120, 136)])), kind
 print("ok")
 """
 
