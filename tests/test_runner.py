@@ -259,9 +259,10 @@ def run_both(monkeypatch, runner, ids, past, rows):
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3-hd64"])
 def test_the_c_layer_computes_what_pytorchs_layer_does(monkeypatch, family, weights):
     """Logits and the K/V written, for 1, 3 and 16 rows after no past, after 37 positions (a prefill PyTorch runs:
-    more than 16 rows) and after 150 (the C attention reads keys in blocks of at most 64), within float32 rounding,
-    for every family (biases, q/k norms, a head_dim of its own) and every kind of weight a draft keeps. The tiny models' heads (8 or 16 wide) take the C code's scalar tails; heads
-    of 64, like the default model's, take its vector loops."""
+    more than 16 rows) and 1 or 5 rows after 150 (a longer context, as a chat's later turns have), within float32
+    rounding, for every family (biases, q/k norms, a head_dim of its own) and every kind of weight a draft keeps. The
+    tiny models' heads (8 or 16 wide) take the C code's scalar tails; heads of 64, like the default model's, take its
+    vector loops."""
     model = tiny("qwen3", tie=False, head_dim=64) if family == "qwen3-hd64" else tiny(family, tie=False)
     runner = lean_runner(model)
     runner = runner.with_weights(WEIGHTS[weights]) if weights != "float32" else runner
@@ -284,7 +285,7 @@ def test_a_c_layer_row_does_not_depend_on_the_rows_fed_with_it_or_the_threads(he
     rng = random.Random(4)
     ids = [rng.randrange(VOCAB) for _ in range(140)]
     cache = runner.new_cache()
-    runner.step(ids[:120], cache, 0, keep=1)  # the rows' keys cross blocks of the C attention (64 at most)
+    runner.step(ids[:120], cache, 0, keep=1)  # a longer context than one vector loop's keys
     many = runner.step(ids[120:136], cache, 120, keep=16)
     threads = torch.get_num_threads()
     try:
