@@ -289,7 +289,7 @@ def test_bench_compares_configurations_side_by_side(standin, tmp_path):
         rows = {r["config"]: r for r in data["rows"]}
         assert rows["spec"]["runs_reconciled"] == 4 and rows["spec"]["acceptance_rate"] == 1.0
         assert rows["plain"]["median_ratio_to_baseline"] == 1.0 and rows["spec"]["same_text_as_baseline"] == 4
-        assert [r["config"] for r in data["runs"][:4]] == ["spec", "plain", "spec", "plain"]  # interleaved
+        assert [r["config"] for r in data["runs"][:4]] == ["spec", "plain", "plain", "spec"]  # interleaved, rotated per prompt
     finally:
         plain.shutdown()
 

@@ -19,11 +19,14 @@ from specchat.store import write_atomic
 
 def run_all(configs: dict, prompts: list[dict], repeat: int, steps) -> list[dict]:
     """configs: name -> a session (RemoteSession or Session); each prompt once per configuration per pass, the
-    configurations in turn, so load changes hit all of them alike."""
-    runs = []
+    configurations in turn, so load changes hit all of them alike (the order rotated from one prompt to the next, as
+    runner.run_all does)."""
+    runs, names = [], list(configs)
     for rep in range(repeat):
-        for prompt in prompts:
-            for name, session in configs.items():
+        for i, prompt in enumerate(prompts):
+            shift = (rep * len(prompts) + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                session = configs[name]
                 steps(f"pass {rep + 1}/{repeat} · {prompt['name']} · {name}")
                 seen = len(getattr(session, "warnings", []))  # a warning after this belongs to this run
                 messages = [{"role": "user", "content": prompt["prompt"]}]

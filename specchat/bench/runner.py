@@ -1,7 +1,8 @@
 """Run every configuration on the same prompts in one process, interleaved, and keep every raw measurement.
 
 Interleaving (for each repeat and prompt, one generation of every configuration in turn) spreads the
-noise of a shared machine over all configurations instead of letting it fall on whichever ran last.
+noise of a shared machine over all configurations instead of letting it fall on whichever ran last; the turn
+order rotates from one prompt to the next, so no configuration always runs right after the same other one.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens
 
 
 def run_all(ctx: Context, configs: list[Config], prompts: list[Prompt], repeat: int, progress=None) -> list[dict]:
-    """Warm up every configuration once, then for each repeat and prompt run all configurations in turn."""
+    """Warm up every configuration once, then for each repeat and prompt run all configurations in turn, the order
+    rotated by one from each prompt to the next."""
     step = progress or (lambda _msg: None)
     for cfg in configs:
         step(f"warm-up {cfg.label}")
@@ -152,7 +154,8 @@ def run_all(ctx: Context, configs: list[Config], prompts: list[Prompt], repeat: 
     runs = []
     for r in range(repeat):
         for i, prompt in enumerate(prompts):
-            for cfg in configs:
+            shift = (r * len(prompts) + i) % len(configs)
+            for cfg in configs[shift:] + configs[:shift]:
                 step(f"{cfg.label} on {prompt.name} ({r + 1}/{repeat})")
                 run = run_one(ctx, cfg, prompt.ids, run_seed(ctx, i, r), ctx.max_new_tokens)
                 runs.append({"config": cfg.label, "mode": cfg.mode, "k": cfg.k, "temperature": cfg.temperature,
