@@ -187,13 +187,13 @@ def test_the_turn_order_rotates_from_prompt_to_prompt(monkeypatch):
     """Every configuration runs once per prompt and repeat, and takes every place in the turn order equally often:
     none always runs right after the same other one (a position effect would then fall on it alone)."""
     order = []
-    monkeypatch.setattr(runner, "run_one", lambda ctx, cfg, ids, seed, n, warmup=False: order.append((cfg.mode, warmup, seed)) or {})
+    monkeypatch.setattr(runner, "run_one", lambda ctx, cfg, ids, seed, n, warmup=False: order.append((cfg.mode, warmup)) or {})
     ctx = SimpleNamespace(seed=0, max_new_tokens=8)
     configs = [runner.Config(m, 4 if m != "off" else 0, 0.0) for m in ("off", "quant", "auto")]
     prompts = [runner.Prompt(f"p{i}", "chat", "", [1, 2]) for i in range(4)]
     runs = runner.run_all(ctx, configs, prompts, repeat=3)
-    assert [m for m, warmup, _ in order if warmup] == ["off", "quant", "auto"]
-    measured = [m for m, warmup, _ in order if not warmup]
+    assert [m for m, warmup in order if warmup] == ["off", "quant", "auto"]
+    measured = [m for m, warmup in order if not warmup]
     assert sorted((r["mode"], r["prompt"], r["repeat"]) for r in runs) == sorted(
         (c.mode, p.name, r) for c in configs for p in prompts for r in range(3))
     turns = [measured[i : i + 3] for i in range(0, len(measured), 3)]  # one prompt and repeat each

@@ -60,7 +60,8 @@ def markdown(results: dict) -> str:
         f"- hardware: {hardware}; device {m['device']}, dtype {m['dtype']}, {m['torch_threads']} torch threads; "
         f"torch {m['torch']}, transformers {m['transformers']}",
         f"- workload: {len(results['prompts'])} prompts ({', '.join(p['name'] for p in results['prompts'])}), "
-        f"max {s['max_new_tokens']} new tokens, {s['repeat']} repeat(s), interleaved after a warm-up, the order rotated per prompt; "
+        f"max {s['max_new_tokens']} new tokens, {s['repeat']} repeat(s), interleaved after a warm-up, "
+        "the order rotated per prompt; "
         f"temperature {', '.join(f'{t:g}' for t in s['temperatures'])} (0 = greedy), top-k off, top-p 1, seed {s['seed']}",
         "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
         "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
