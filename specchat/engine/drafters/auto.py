@@ -147,9 +147,10 @@ class Rate:
         self.measured_at = time.time()
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
-        self.most += w * ((tokens if most is None else max(most, tokens)) - self.most)
+        most = tokens if most is None else max(most, tokens)
+        self.most += w * (most - self.most)
         r = tokens / seconds if seconds > 0 else 0.0
-        c = (tokens if most is None else max(most, tokens)) / seconds if seconds > 0 else 0.0
+        c = most / seconds if seconds > 0 else 0.0
         w = 1.0 if self.live == 1 else w  # a remembered rate brings no per-round rates
         self.round_rate += w * (r - self.round_rate)
         self.round_rate_sq += w * (r * r - self.round_rate_sq)
