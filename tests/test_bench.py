@@ -82,6 +82,10 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert len(data["runs"]) == 8 * 2  # every configuration on every prompt, once
     for run in data["runs"]:
         assert RUN_FIELDS <= run.keys()
+        if not run["config"].startswith("hf-"):  # every round of a run, in order
+            assert len(run["rounds"]) == run["stats"]["rounds"]
+            assert sum(r["emitted"] for r in run["rounds"]) == run["new_tokens"]
+            assert {r["mode"] for r in run["rounds"]} == {run["mode"]}
     pairs = {p["peer"]: p for p in data["peers"]}
     assert pairs["hf-generate T=0"]["specchat"] == "off T=0" and pairs["hf-generate T=0"]["ratio"] > 0
     assert pairs["hf-assisted K=2 T=0"]["specchat"] == "draft K=2 T=0"
@@ -93,6 +97,25 @@ def test_bench_end_to_end(model_dir, prompts_file, tmp_path):
     assert checks["distribution"][0]["verdict"] == "pass"
     assert checks["hf_greedy"]["compared"] == 2
     assert (out / "speedup.png").exists() or "pip install" in result.output
+
+
+def test_bench_reports_where_autos_time_went(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "auto"
+    result = invoke(
+        "--target", model_dir, "--device", "cpu", "--dtype", "float32", "--modes", "off,auto", "--draft-len", "2",
+        "--temperature", "0", "--prompts", prompts_file, "--max-new-tokens", "8", "--repeat", "1", "--verify-samples", "0",
+        "--out", out,
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    auto = next(c for c in data["configs"] if c["mode"] == "auto")
+    assert sum(auto["time_by_mode"].values()) == pytest.approx(1.0)
+    runs = [r for r in data["runs"] if r["mode"] == "auto"]
+    assert set(auto["time_by_mode"]) == {r["mode"] for run in runs for r in run["rounds"][1:]}
+    assert all(isinstance(r["reason"], str) and r["reason"] for run in runs for r in run["rounds"])
+    assert auto["vs_best"]["config"] == "off T=0" and set(auto["vs_best"]["by_prompt"]) == {r["prompt"] for r in runs}
+    assert "auto K=2 T=0's decode time by the mode it ran: " in result.output
+    assert "against the fastest single mode, `off T=0`" in result.output and "; by prompt: " in result.output
 
 
 def test_bench_approximate_rule_gets_quality_metrics(model_dir, prompts_file, tmp_path):
@@ -229,8 +252,22 @@ def test_auto_is_paired_with_the_fastest_exact_single_mode_at_its_k_and_temperat
             run("auto K=4 T=0", "a", 45.0), run("auto K=4 T=0", "b", 48.0)]
     # neither an approximate rule, a peer, another K nor another temperature is auto's rival; quant at K=4 is, paired
     # prompt by prompt
-    assert runner.against_best(rows, rows[-1], runs) == {"config": "quant K=4 T=0", "ratio": pytest.approx((0.9 + 1.2) / 2)}
+    assert runner.against_best(rows, rows[-1], runs) == {"config": "quant K=4 T=0", "ratio": pytest.approx((0.9 + 1.2) / 2),
+                                                          "by_prompt": {"a": pytest.approx(0.9), "b": pytest.approx(1.2)}}
     assert runner.against_best([rows[-1]], rows[-1], runs) is None
+
+
+def test_autos_time_by_mode_counts_the_rounds_after_the_first():
+    def run(config, *rounds):
+        return {"config": config, "rounds": [{"mode": m, "wall_ms": ms} for m, ms in rounds]}
+
+    runs = [run("auto K=4 T=0", ("off", 500.0), ("off", 100.0), ("quant", 300.0)),
+            run("auto K=4 T=0", ("draft", 900.0), ("quant", 500.0), ("draft", 100.0)),
+            run("quant K=4 T=0", ("quant", 50.0), ("quant", 70.0))]
+    shares = runner.time_by_mode(runs, "auto K=4 T=0")
+    assert shares == {"quant": pytest.approx(0.8), "off": pytest.approx(0.1), "draft": pytest.approx(0.1)}
+    assert next(iter(shares)) == "quant"  # the largest share first
+    assert runner.time_by_mode(runs, "head K=4 T=0") == {}
 
 
 # ---------------------------------------------------------------- bad input, before any model loads

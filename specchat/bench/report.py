@@ -79,10 +79,19 @@ def markdown(results: dict) -> str:
           fmt(r["verify_ms_per_round"]), fmt(r["overhead_ms_per_round"]), fmt(r["draft_cost"]), fmt(r["verify_cost"]),
           memory_cell(r), quality_cell(r, checks)] for r in rows],
     ))
-    against = [(r["config"], r["vs_best"]) for r in rows if r.get("vs_best") and r["vs_best"]["ratio"] is not None]
-    if against:
-        out += [""] + [f"- {config} against the fastest single mode, `{best['config']}`: {fmt(best['ratio'])}x "
-                       "(median of paired ratios, same prompt and repeat)" for config, best in against]
+    auto_lines = []
+    for r in rows:
+        best = r.get("vs_best")
+        if best and best["ratio"] is not None:
+            by_prompt = ", ".join(f"{p} {fmt(v)}" for p, v in best.get("by_prompt", {}).items())
+            auto_lines.append(f"- {r['config']} against the fastest single mode, `{best['config']}`: {fmt(best['ratio'])}x "
+                              "(median of paired ratios, same prompt and repeat)" + (f"; by prompt: {by_prompt}" if by_prompt else ""))
+        if r.get("time_by_mode"):
+            shares = ", ".join(f"{mode} {100 * share:.0f}%" for mode, share in r["time_by_mode"].items())
+            auto_lines.append(f"- {r['config']}'s decode time by the mode it ran: {shares} (every round, with its reason, "
+                              "is in results.json)")
+    if auto_lines:
+        out += [""] + auto_lines
     if results["peers"]:
         out += ["", "## Hugging Face peers (same models, prompts, K and sampling; end-to-end tok/s including the prefill)", ""]
         out.append(table(

@@ -112,8 +112,11 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
     controls = Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept))
     generator = torch.Generator(device=state.device).manual_seed(seed)
     reset_peak(ctx.device)
+    records, rounds = [], []
     t0 = clock(ctx.device)
-    records = list(generate(state, ids, controls, max_new_tokens=max_new_tokens, eos_ids=ctx.eos_ids, generator=generator))
+    for record in generate(state, ids, controls, max_new_tokens=max_new_tokens, eos_ids=ctx.eos_ids, generator=generator):
+        records.append(record)
+        rounds.append(round_row(record, getattr(drafter, "why", None)))  # mode auto: why it ran this round's mode
     elapsed = clock(ctx.device) - t0
     stats = Stats.of(records)
     tokens = [t.id for r in records for t in r.tokens]
@@ -127,8 +130,16 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
         "stop_reason": records[-1].stop_reason if records else None,
         "memory_mb": memory_mb(ctx.device),
         "stats": stats.summary(),
+        "rounds": rounds,
     }
     return run, records
+
+
+def round_row(record, reason: str | None) -> dict:
+    """One round as results.json keeps it: where a run's time went, round by round (mode auto: which mode, and why)."""
+    row = {"mode": record.mode, "drafted": record.drafted, "accepted": record.accepted, "emitted": record.emitted,
+           "draft_ms": 1000 * record.draft_s, "verify_ms": 1000 * record.verify_s, "wall_ms": 1000 * record.wall_s}
+    return {**row, "reason": reason} if reason is not None else row
 
 
 def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int, *, warmup: bool = False) -> dict:
@@ -173,12 +184,17 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def paired_ratios(runs: list[dict], label: str, base: str, key: str) -> dict[tuple[str, int], float]:
+    """(prompt, repeat) -> run[key] / base run[key] on the same prompt and repeat."""
+    by_key = {(r["prompt"], r["repeat"]): r[key] for r in runs if r["config"] == base}
+    return {(r["prompt"], r["repeat"]): r[key] / by_key[(r["prompt"], r["repeat"])] for r in runs
+            if r["config"] == label and r[key] and by_key.get((r["prompt"], r["repeat"]))}
+
+
 def paired_ratio(runs: list[dict], label: str, base: str, key: str) -> float | None:
     """Median over (prompt, repeat) of run[key] / base run[key]: prompt-to-prompt variation cancels."""
-    by_key = {(r["prompt"], r["repeat"]): r[key] for r in runs if r["config"] == base}
-    ratios = [r[key] / by_key[(r["prompt"], r["repeat"])] for r in runs
-              if r["config"] == label and r[key] and by_key.get((r["prompt"], r["repeat"]))]
-    return statistics.median(ratios) if ratios else None
+    ratios = paired_ratios(runs, label, base, key)
+    return statistics.median(ratios.values()) if ratios else None
 
 
 def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dict]:
@@ -214,6 +230,7 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
     for row in rows:
         if row["mode"] == "auto" and not row["peer"]:
             row["vs_best"] = against_best(rows, row, runs)
+            row["time_by_mode"] = time_by_mode(runs, row["config"])
     return rows
 
 
@@ -225,7 +242,22 @@ def against_best(rows: list[dict], auto: dict, runs: list[dict]) -> dict | None:
     if not rivals:
         return None
     best = max(rivals, key=lambda r: r["speedup"])
-    return {"config": best["config"], "ratio": paired_ratio(runs, auto["config"], best["config"], "tokens_per_s")}
+    ratios = paired_ratios(runs, auto["config"], best["config"], "tokens_per_s")
+    prompts = dict.fromkeys(prompt for prompt, _ in ratios)  # in the order they ran
+    by_prompt = {p: statistics.median(v for (q, _), v in ratios.items() if q == p) for p in prompts}
+    return {"config": best["config"], "ratio": statistics.median(ratios.values()) if ratios else None, "by_prompt": by_prompt}
+
+
+def time_by_mode(runs: list[dict], label: str) -> dict[str, float]:
+    """The share of a configuration's decode time (its runs' rounds after the first, as tok/s counts them) spent in
+    each mode's rounds: for mode auto, where its time went."""
+    seconds: dict[str, float] = {}
+    for run in runs:
+        if run["config"] == label:
+            for r in run.get("rounds", [])[1:]:
+                seconds[r["mode"]] = seconds.get(r["mode"], 0.0) + r["wall_ms"]
+    total = sum(seconds.values())
+    return {mode: s / total for mode, s in sorted(seconds.items(), key=lambda kv: -kv[1])} if total else {}
 
 
 def _overhead_ms(stats: Stats | None) -> float | None:
