@@ -139,8 +139,8 @@ static inline __attribute__((always_inline)) void rows(const float *restrict x, 
 
 /* A work item's block of weights times S rows of x: in one pass, or with AVX-512 and more than PASS rows, in two,
    the second reading the block again from the L2 cache. One pass of 13-16 rows takes one weight row at a time
-   (ROWS_FOR), so every x load serves one product: 16 rows took 1.5x the time of 12 (AMD EPYC, a whole forward of
-   the default model); as 12 + 4, 1.15x. With AVX2 the same split measured no better (7-13 rows slower, 16
+   (ROWS_FOR), so every x load serves one product: 16 rows took 1.7x the time of 12 (AMD EPYC, a whole forward of
+   the default model); as 12 + 4, 1.3x. With AVX2 the same split measured no better (7-13 rows slower, 16
    faster). A row's sums are the same whichever pass it is in. */
 static inline __attribute__((always_inline)) void block_rows(const float *restrict x, const void *restrict w,
                                                              const float *restrict scale, const float *restrict b,
