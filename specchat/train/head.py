@@ -82,7 +82,7 @@ class Recipe:
     seqs_per_step: int = 4  # sequences per optimizer step (gradient accumulation)
     max_len: int = 384
     lr: float = 3e-3  # peak; 1e-3 drafted 0.014 worse on held-out prompts in the same budget (benchmarks/RESULTS.md section 27)
-    cls_weight: float = 1.0
+    cls_weight: float = 0.3  # the cross-entropy's weight beside the feature regression's 1 (1.0 drafted 0.011 worse held out: benchmarks/RESULTS.md section 27)
     noise: float = 0.05  # feature noise, relative to the features' RMS (EAGLE's robustness to its own errors)
     depth: int = 1  # draft positions trained: 2+ adds EAGLE-3's training-time test (Trainer.batch_loss)
     data_file: str | None = None
