@@ -110,7 +110,9 @@ class Data:
 
     def add(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:
         self.sequences.append(tokens)
-        self.features.append(features)
+        # rounded as the shards keep them (save), so a run trains on the same features whether it made its data or
+        # loaded it: unrounded, a fresh run and its rerun trained two different heads (benchmarks/RESULTS.md section 29)
+        self.features.append(features.to(torch.bfloat16).float())
         self.groups.append(group)
         self.starts.append(start)
 
