@@ -105,14 +105,19 @@ class Data:
 
     def extend(self, other: "Data") -> None:
         for seq, feats, group, start in zip(other.sequences, other.features, other.groups, other.starts):
-            self.add(seq, feats, group, start)
+            self.keep(seq, feats, group, start)
         self.seconds += other.seconds
 
     def add(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:
+        """A sequence the target just made, its features rounded as the shards keep them (save), so a run trains on
+        the same features whether it made its data or loaded it: unrounded, a fresh run and its rerun trained two
+        different heads (benchmarks/RESULTS.md section 29)."""
+        self.keep(tokens, features.to(torch.bfloat16).float(), group, start)
+
+    def keep(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:
+        """A sequence already in another Data (extend, split): its features as they are, shared, not copied."""
         self.sequences.append(tokens)
-        # rounded as the shards keep them (save), so a run trains on the same features whether it made its data or
-        # loaded it: unrounded, a fresh run and its rerun trained two different heads (benchmarks/RESULTS.md section 29)
-        self.features.append(features.to(torch.bfloat16).float())
+        self.features.append(features)
         self.groups.append(group)
         self.starts.append(start)
 
@@ -122,7 +127,7 @@ class Data:
         held = set(groups[: max(1, round(len(groups) * share))]) if len(groups) > 1 else set()
         parts = Data(), Data()
         for s, f, g, start in zip(self.sequences, self.features, self.groups, self.starts):
-            parts[g in held].add(s, f, g, start)
+            parts[g in held].keep(s, f, g, start)
         return parts if parts[1].sequences else (self, self)
 
     @property
