@@ -62,6 +62,15 @@ def drafter_options(model, mode: str, options: dict) -> dict:
     return out
 
 
+def auto_setup(target: LoadedModel, draft: LoadedModel | None, device, options: dict) -> dict:
+    """What auto's measurements depend on besides the prompt: another of these is another setup, learnt afresh."""
+    head = Path(options["head_file"]) if options.get("head_file") else None
+    return {"target": models.weights_id(target.model), "draft": models.weights_id(draft.model) if draft else None,
+            "engine": target.engine, "device": str(device), "dtype": target.dtype_name,
+            "head": f"{head.name}:{head.stat().st_size}" if head is not None and head.is_file() else None,
+            "threads": threads.setting(), "cpu": machine.cpu_name(), "cores": os.cpu_count()}
+
+
 class Session(Conversation):
     """Owns the target state (whose KV cache is reused across turns) and one drafter per mode used."""
 
@@ -110,19 +119,12 @@ class Session(Conversation):
             draft_model = self.draft.model if self.draft else None
             options = drafter_options(self.target.model, mode, self.mode_options)
             if mode == "auto" and self.earlier_sessions:
-                options["memory"] = store.LearntRates(self.setup(options))
+                options["memory"] = store.LearntRates(auto_setup(self.target, self.draft, self.state.device, options))
             if mode in ("suffix", "auto") and self.earlier_sessions:
                 options["references"] = self.saved_conversations()
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
 
-    def setup(self, options: dict) -> dict:
-        """What auto's measurements depend on besides the prompt: another of these is another setup, learnt afresh."""
-        head = Path(options["head_file"]) if options.get("head_file") else None
-        return {"target": models.weights_id(self.target.model), "draft": models.weights_id(self.draft.model) if self.draft else None,
-                "engine": self.target.engine, "device": str(self.state.device), "dtype": self.target.dtype_name,
-                "head": f"{head.name}:{head.stat().st_size}" if head is not None and head.is_file() else None,
-                "threads": threads.setting(), "cpu": machine.cpu_name(), "cores": os.cpu_count()}
 
     def saved_conversations(self, budget: int = 100_000) -> list[list[int]]:
         """The user's saved conversations as this target's token ids (chat template applied), the most recent last,

@@ -118,6 +118,30 @@ def test_bench_reports_where_autos_time_went(model_dir, prompts_file, tmp_path):
     assert "against the fastest single mode, `off T=0`" in result.output and "; by prompt: " in result.output
 
 
+def test_bench_learnt_starts_auto_from_earlier_sessions_and_saves_its_own(model_dir, prompts_file, tmp_path, monkeypatch):
+    """--learnt: auto loads and saves the state folder's rates, as the chat does; without it a bench learns nothing."""
+    monkeypatch.setenv("SPECCHAT_STATE_DIR", str(tmp_path / "state"))
+    args = ("--target", model_dir, "--device", "cpu", "--dtype", "float32", "--modes", "off,auto", "--draft-len", "2",
+            "--temperature", "0", "--prompts", prompts_file, "--max-new-tokens", "8", "--repeat", "1", "--verify-samples", "0")
+
+    def rounds_saved():
+        saved = list((tmp_path / "state" / "auto").glob("*.json"))
+        assert len(saved) == 1
+        return sum(arm["rounds"] for arm in json.loads(saved[0].read_text())["rates"]["greedy"].values())
+
+    result = invoke(*args, "--out", tmp_path / "fresh")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "state").exists() and "--learnt" not in result.output
+    assert not json.loads((tmp_path / "fresh" / "results.json").read_text())["settings"]["learnt"]
+    saved = []
+    for out in ("first", "second"):
+        result = invoke(*args, "--learnt", "--out", tmp_path / out)
+        assert result.exit_code == 0, result.output
+        saved.append(rounds_saved())
+    assert 0 < saved[0] < saved[1]  # the second bench added its rounds to the first's
+    assert "started from the rates earlier sessions on this setup learnt (--learnt)" in result.output
+
+
 def test_bench_approximate_rule_gets_quality_metrics(model_dir, prompts_file, tmp_path):
     out = tmp_path / "approx"
     result = invoke(

@@ -14,7 +14,7 @@ from specchat.conversation import PromptTooLong
 from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.modes import MODES as MODE_NAMES
-from specchat.session import Session
+from specchat.session import Session, auto_setup
 
 MODES = ["off", "draft", "layerskip", "earlyexit", "lowrank", "quant", "lookup"]
 
@@ -235,9 +235,10 @@ def test_auto_s_setup_names_the_weights_engine_machine_and_head(tiny, tmp_path):
     common = {"engine": "torch", "device": "cpu", "dtype": tiny.dtype_name, "threads": threads.setting(),
               "cpu": machine.cpu_name(), "cores": os.cpu_count()}
     weights = models.weights_id(tiny.model)
-    assert Session(tiny, tiny).setup({"head_file": str(head)}) == {"target": weights, "draft": weights, "head": "h.safetensors:5", **common}
-    assert Session(tiny).setup({"head_file": str(tmp_path / "gone")}) == {"target": weights, "draft": None, "head": None, **common}
-    assert Session(tiny).setup({})["head"] is None
+    cpu = torch.device("cpu")
+    assert auto_setup(tiny, tiny, cpu, {"head_file": str(head)}) == {"target": weights, "draft": weights, "head": "h.safetensors:5", **common}
+    assert auto_setup(tiny, None, cpu, {"head_file": str(tmp_path / "gone")}) == {"target": weights, "draft": None, "head": None, **common}
+    assert auto_setup(tiny, None, cpu, {})["head"] is None
 
 
 def test_drafter_options_on_llama_cpp_ask_for_a_smaller_quantisation(monkeypatch, caplog):

@@ -63,6 +63,8 @@ def markdown(results: dict) -> str:
         f"max {s['max_new_tokens']} new tokens, {s['repeat']} repeat(s), interleaved after a warm-up, "
         "the order rotated per prompt; "
         f"temperature {', '.join(f'{t:g}' for t in s['temperatures'])} (0 = greedy), top-k off, top-p 1, seed {s['seed']}",
+        *(["- mode auto started from the rates earlier sessions on this setup learnt (--learnt), and saved its own"]
+          if s.get("learnt") and "auto" in s["modes"] else []),
         "- tok/s: new tokens / decode time (prefill excluded), median (min–max) over prompts × repeats. "
         "speedup: median of paired ratios to `off` at the same temperature on the same prompt, same run. "
         "predicted: tokens per round / (draft + verify time per round), measured (first rounds left out), the time "

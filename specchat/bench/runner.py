@@ -118,6 +118,8 @@ def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_t
         records.append(record)
         rounds.append(round_row(record, getattr(drafter, "why", None)))  # mode auto: why it ran this round's mode
     elapsed = clock(ctx.device) - t0
+    if hasattr(drafter, "save"):  # mode auto with --learnt: keep the rates for the next session, as the chat does
+        drafter.save()
     stats = Stats.of(records)
     tokens = [t.id for r in records for t in r.tokens]
     run = {
@@ -416,6 +418,7 @@ def results(ctx: Context, plan, opts: dict, configs: list[Config], prompts: list
             "draft_lens": plan.ks, "temperatures": plan.temperatures, "top_k": 0, "top_p": 1.0, "accept": plan.rules,
             "prompts": opts["prompts_spec"], "max_new_tokens": ctx.max_new_tokens, "repeat": opts["repeat"],
             "peers": opts["peers"], "seed": ctx.seed, "verify_samples": opts["verify_samples"],
+            "learnt": plan.learnt,
             "mode_options": plan.settings, "hf_early_exit_layer": early_exit_layer(ctx) if opts["peers"] else None,
         },
         "machine": hardware_info(ctx.device, dtype),

@@ -85,6 +85,7 @@ class Plan:
     prompts: list[dict]
     settings: dict  # skip_layers / exit_layer / rank
     out_dir: Path
+    learnt: bool = False  # mode auto starts from (and adds to) the rates earlier sessions on this setup saved
 
 
 def make_plan(opts: dict) -> Plan:
@@ -108,6 +109,7 @@ def make_plan(opts: dict) -> Plan:
         ks=parse_list(opts["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
         temperatures=parse_list(opts["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)"),
         rules=rules, prompts=read_prompts(opts["prompts_spec"]), settings=mode_settings(opts), out_dir=out_dir,
+        learnt=opts["learnt"],
     )
 
 
@@ -132,7 +134,8 @@ def build_drafters(plan: Plan, target, draft, device) -> tuple[dict, dict]:
     """Every mode's drafter now, so a mode that cannot run fails before the long run: (drafters, MB each added)."""
     from specchat.engine.drafters import ModeUnavailable, build_drafter
     from specchat.machine import memory_mb
-    from specchat.session import drafter_options
+    from specchat.session import auto_setup, drafter_options
+    from specchat.store import LearntRates
 
     drafters, added_mb = {}, {}
     resident_target(target.model)
@@ -140,6 +143,8 @@ def build_drafters(plan: Plan, target, draft, device) -> tuple[dict, dict]:
         before = memory_mb(device)
         try:
             options = drafter_options(target.model, mode, plan.settings)
+            if mode == "auto" and plan.learnt:
+                options["memory"] = LearntRates(auto_setup(target, draft, target.model.device, options))
             drafters[mode] = build_drafter(mode, target.model, draft.model if draft else None, **options)
         except ModeUnavailable as e:
             if plan.explicit_modes:
@@ -204,6 +209,7 @@ def show_report(text: str) -> None:
 @click.option("--peers", is_flag=True, help="Also run HF transformers' own implementation of each requested mode: generate() for off, assistant_model for draft, prompt_lookup_num_tokens for lookup, assistant_early_exit for earlyexit.")
 @click.option("--verify-samples", type=int, default=100, show_default=True, help="Samples per side of the distribution test for sampled exact modes (0 skips; else >= 20).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--learnt", is_flag=True, help="Mode auto starts from the rates earlier sessions on this setup learnt, as the chat's does, and saves what it measures after every reply (the state folder; $SPECCHAT_STATE_DIR for a copy). Default: a first session, nothing learnt or saved.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder (default: a new timestamped folder under the user data folder's bench/).")
 @mode_setting_options
 def bench(**opts):
