@@ -125,7 +125,6 @@ class Session(Conversation):
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
 
-
     def saved_conversations(self, budget: int = 100_000) -> list[list[int]]:
         """The user's saved conversations as this target's token ids (chat template applied), the most recent last,
         about `budget` tokens in all: what mode suffix drafts from besides this conversation."""
