@@ -1,9 +1,10 @@
-"""What one llama.cpp decode costs for 1, 2, 5 and 8 positions (the plain step and verifies of K = 1, 4, 7), per
+"""What one llama.cpp decode costs for 1, 2, 5, 9 and 16 positions (the plain step and verifies of K = 1, 4, 8, 15), per
 quantisation of one GGUF file: the v of the speedup model on this engine, and a quant draft's c.
 
-    python benchmarks/llamacpp_step.py [FILE.gguf] [--types Q4_0,Q8_0,F32] [--threads 1,2] [--reps 3]
+    python benchmarks/llamacpp_step.py [FILE.gguf] [--types Q4_0,Q8_0,F32] [--threads 1,2] [--reps 3] [--repack both]
 
-Requantised copies are made once into the user cache (models.quantized_gguf). Each figure: median over
+`--repack both` loads every file twice, with llama.cpp's weight repacking (AMX on CPUs that have it) and without,
+whatever the probe decided (on a machine where repacking faults, that run dies). Requantised copies are made once into the user cache (models.quantized_gguf). Each figure: median over
 repetitions of the median of 8 decodes at position 100 (after a 100-token prefill), keeping logits for every
 fed position as a verify does. Types and thread counts are interleaved within each repetition.
 """
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 from specchat.engine.llamacpp import GGUFModel  # noqa: E402
 from specchat.models import default_gguf, quantized_gguf  # noqa: E402
 
-SIZES = (1, 2, 5, 8)
+SIZES = (1, 2, 5, 9, 16)
 
 
 def main() -> None:
@@ -34,12 +35,13 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_0,Q8_0,F32")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--repack", choices=["probe", "on", "off", "both"], default="probe")
     args = ap.parse_args()
     path = Path(args.file) if args.file else default_gguf()
-    models = {"file": GGUFModel(path)}
-    for t in [t for t in args.types.split(",") if t]:
-        models[t] = GGUFModel(quantized_gguf(path, t))
-    print(f"{path.name} (file: {models['file'].dtype}); load average before {os.getloadavg()}", flush=True)
+    repacks = {"probe": [None], "on": [True], "off": [False], "both": [True, False]}[args.repack]
+    files = {"file": path, **{t: quantized_gguf(path, t) for t in args.types.split(",") if t}}
+    models = {(name, r): GGUFModel(p, repack=r) for name, p in files.items() for r in repacks}
+    print(f"{path.name}; load average before {os.getloadavg()}", flush=True)
     prompt = list(range(1000, 1100))
     ms: dict[tuple, list[float]] = {}
     for _ in range(args.reps):
@@ -56,13 +58,14 @@ def main() -> None:
                         times.append(time.perf_counter() - t0)
                     ms.setdefault((name, n, s), []).append(1000 * statistics.median(times))
     print(f"load average after {os.getloadavg()}")
-    print(f"{'weights':12} {'threads':>7} " + " ".join(f"{f'{s} pos. ms (x1)':>17}" for s in SIZES) + "   step / file's step")
+    print(f"{'weights':17} {'threads':>7} " + " ".join(f"{f'{s} pos. ms (x1)':>17}" for s in SIZES) + "   step / file's step")
     for n in [int(x) for x in args.threads.split(",")]:
-        base = statistics.median(ms[("file", n, 1)])
+        base = statistics.median(ms[(("file", repacks[-1]), n, 1)])
         for name, model in models.items():
             row = [statistics.median(ms[(name, n, s)]) for s in SIZES]
             cells = " ".join(f"{v:8.2f} ({v / row[0]:4.2f}x)" for v in row)
-            print(f"{model.dtype:12} {n:7} {cells}   {row[0] / base:.2f}")
+            label = model.dtype + ("" if args.repack == "probe" else " repack" if model.repack else " plain")
+            print(f"{label:17} {n:7} {cells}   {row[0] / base:.2f}")
 
 
 if __name__ == "__main__":

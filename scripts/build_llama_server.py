@@ -5,7 +5,9 @@
 The source is the llama.cpp tree vendored in the llama-cpp-python source distribution that specchat pins
 (pyproject.toml), fetched from PyPI: the server speaks the same llama.cpp version as specchat's own engine, and
 a package registry is all a fresh machine (CI) can reach. The build is for this CPU (GGML_NATIVE), without the
-web UI, curl or OpenSSL. The test suite calls build() (tests/test_remote_llama_server.py) to start real servers.
+web UI, curl or OpenSSL, with scripts/amx_tilecfg_fix.h force-included as in the README's install (a
+binary built by GCC 11-12 on a CPU with AMX otherwise dies on any decode of several positions; a server you build
+yourself without it needs --no-repack there). The test suite calls build() (tests/test_remote_llama_server.py) to start real servers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the version pinned in pyproject.toml: the same llama.cpp as the in-process engine
-CMAKE_FLAGS = [
+TILECFG_FIX = Path(__file__).resolve().parent / "amx_tilecfg_fix.h"  # as the README's install: GCC 11-12's AMX bug
+CMAKE_FLAGS = [f"-DCMAKE_CXX_FLAGS=-include {TILECFG_FIX}",
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -51,7 +54,7 @@ def machine_key() -> str:
 
 
 def binary_path() -> Path:
-    return cache_root() / "llama-server" / f"{LLAMA_CPP_PYTHON}-{machine_key()}" / "llama-server"
+    return cache_root() / "llama-server" / f"{LLAMA_CPP_PYTHON}-tilecfg-{machine_key()}" / "llama-server"
 
 
 def fetch_source(into: Path) -> Path:

@@ -19,6 +19,7 @@ from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
 from specchat.engine.events import RoundRecord
+from specchat.engine import repack_probe
 from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams
@@ -103,6 +104,8 @@ class Session(Conversation):
         self.eos_ids = target.eos_ids
         self.device_label, self.dtype_label = str(self.state.device), target.dtype_name
         self.engine_label = target.engine  # "torch" or "llama.cpp"
+        if self.engine_label == "llama.cpp" and repack_probe.verdict().notice:
+            self.notices.append(repack_probe.verdict().notice)
 
     # -- modes
     def measure_baseline(self, every: int = BASELINE_EVERY) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specchat.engine import remote
+from specchat.engine import remote, repack_probe
 from specchat.engine.sampling_params import SamplingParams
 from specchat.models import default_gguf
 from specchat.remote_session import RemoteSession
@@ -49,6 +49,8 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         gguf = str(default_gguf())
         cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "-c", "2048", "-t", "1", *args]
+        if not repack_probe.verdict().repack:  # where llama.cpp's repacking faults in-process, it faults in the server
+            cmd.append("--no-repack")
         self.log = open(os.devnull, "wb")
         self.proc = subprocess.Popen([a.replace("{gguf}", gguf) for a in cmd], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

@@ -73,6 +73,7 @@ def generate(prompt, raw, fmt, **opts):
         "rounds_by_mode": dict(Counter(r.mode for r in turn.rounds).most_common()),  # mode auto runs several
         **turn.stats.summary(),
     }
+    summary["notices"] = list(session.notices)  # what loading had to say (llama.cpp's repacking off, ...)
     if getattr(session, "servers", None):  # the server's counters against the reconstructed steps
         summary["reconciled"] = not session.warnings
         summary["warnings"] = list(session.warnings)
@@ -103,6 +104,8 @@ def print_stream(rounds) -> None:
 
 def summary_lines(s: dict) -> list[list[str]]:
     """The summary as lines of phrases (Rich markup). K only for a drafting mode, the seed only when sampling."""
+    from rich.markup import escape
+
     sampling = "greedy" if s["temperature"] == 0 else f"T={s['temperature']:g} top-k={s['top_k']} top-p={s['top_p']:g} seed={s['seed']}"
     if "server" in s:  # a serving engine: what the client measures and the server's counters tell, nothing else
         k = f" K={s['draft_len']}" if s["draft_len"] is not None and s["mode"] != "off" else ""
@@ -116,6 +119,7 @@ def summary_lines(s: dict) -> list[list[str]]:
             [f"acceptance {num(s['acceptance_rate'])}", f"mean accepted length {num(s['mean_accepted_length'])}",
              f"target calls/token {num(s['target_calls_per_token'])}", f"per-position acceptance {num(s['per_position_acceptance'])}"],
             [f"from the server's counters: {check}", *s["warnings"]],
+            *([f"[yellow]{escape(notice)}[/]"] for notice in s.get("notices", [])),
         ]
     return [
         [f"[b]{s['mode']}[/b]" + (f" K={s['draft_len']}" if s["mode"] != "off" else ""), f"target={s['target']}",
@@ -129,6 +133,7 @@ def summary_lines(s: dict) -> list[list[str]]:
          f"target calls/token {num(s['target_calls_per_token'])}", f"draft calls/token {num(s['draft_calls_per_token'])}"],
         [f"per-position acceptance {num(s['per_position_acceptance'])}", f"draft {num(s['draft_ms_per_round'])} ms/round",
          f"verify {num(s['verify_ms_per_round'])} ms/round"],
+        *([f"[yellow]{escape(notice)}[/]"] for notice in s.get("notices", [])),
     ]
 
 

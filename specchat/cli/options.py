@@ -286,6 +286,12 @@ def load_models(opts: dict, progress):
         if plan is not None:
             with progress.status(plan):
                 convert_gguf(path)
+    if engine == "llama.cpp":
+        from specchat.engine import repack_probe
+
+        if not repack_probe.known():
+            with progress.status("Testing llama.cpp's weight repacking once on this CPU, in a child process (a second)..."):
+                repack_probe.verdict()
     with progress.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
         target = load_model(opts["target"], device, dtype, tokenizer=tokenizers[0], **kwargs)
     draft = None
