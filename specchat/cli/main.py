@@ -6,12 +6,13 @@ errors answer in a fraction of a second, and prepare_process() sets the environm
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
 import click
 
-from specchat import __version__
+from specchat import __version__, crash_guard
 from specchat.cli.bench import bench
 from specchat.cli.generate import generate
 from specchat.cli.history import history
@@ -95,6 +96,9 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
             opts[name] = value
     if not opts.get("servers"):
         preflight(opts)  # what is wrong with the options is one line before the app shows
+    if crash_guard.supervised():  # on a terminal: the app runs in a child, and a native crash cannot break the terminal
+        raise SystemExit(crash_guard.run_supervised([sys.executable, "-m", "specchat", *sys.argv[1:]]))
+    crash_guard.in_child()
 
     def load(progress=None):
         session = load_session(opts, progress=progress)
