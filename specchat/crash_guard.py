@@ -43,7 +43,8 @@ def run_supervised(command: list[str]) -> int:
     """Run `command` (the chat) as a child on this terminal; its exit status, after a fatal signal restoring the
     terminal and saying what happened in one line on stderr."""
     log = crash_log_path()
-    log.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # unwritable: the chat runs all the same, without a traceback file
+        log.parent.mkdir(parents=True, exist_ok=True)
     saved_tty = tty_attributes()
     child = subprocess.Popen(command, env={**os.environ, CHILD: str(log)})
     for sig in FORWARDED:
