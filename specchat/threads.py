@@ -55,9 +55,13 @@ def prepare_for_llama_cpp() -> None:
     """llama.cpp will run the models: let waiting threads spin longer (LLAMA_CPP_SPIN_COUNT), if specchat chose the
     spin and OpenMP has not started yet. Measured on the llama.cpp engine, default model: plain decoding 0.94 ->
     0.99 of llama.cpp's own loop, and beside a competitor 34 -> 40 tok/s; on the torch engine the same spin made
-    the quiet machine slower (30.4 -> 26.6 tok/s), so torch keeps the brief one."""
+    the quiet machine slower (30.4 -> 26.6 tok/s), so torch keeps the brief one. Also keeps torch's oneDNN off the
+    AMX tiles llama.cpp configures once per thread (repack_probe.keep_tiles_for_llama_cpp)."""
     if _our_spin and "torch" not in sys.modules:
         os.environ["GOMP_SPINCOUNT"] = LLAMA_CPP_SPIN_COUNT
+    from specchat.engine.repack_probe import keep_tiles_for_llama_cpp
+
+    keep_tiles_for_llama_cpp()
 
 
 def physical_cores() -> int:

@@ -14,8 +14,13 @@ os.environ["SPECCHAT_DATA_DIR"] = os.path.join(_scratch, "data")
 os.environ["SPECCHAT_CONFIG_DIR"] = os.path.join(_scratch, "config")
 os.environ["SPECCHAT_STATE_DIR"] = os.path.join(_scratch, "state")  # auto's learnt rates: every run starts unlearnt
 
-import pytest
-import torch
+# a worker runs torch's bfloat16 tests and llama.cpp's on the same threads, as specchat never does (repack_probe.py)
+from specchat.engine.repack_probe import keep_tiles_for_llama_cpp  # noqa: E402
+
+keep_tiles_for_llama_cpp()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import remote_standin
 from helpers import tiny_llama

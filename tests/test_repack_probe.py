@@ -3,6 +3,7 @@ probe turns repacking off with one line for the user, never kills specchat (engi
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -141,3 +142,38 @@ def test_the_install_header_keeps_ggmls_tile_configuration(tmp_path, fixed):
         assert ran.returncode == 0 and ran.stdout == "ok\n"
     else:
         assert ran.returncode < 0  # SIGSEGV or SIGILL: the tiles were never configured
+
+
+TORCH_THEN_LLAMA_CPP = """
+import sys
+from pathlib import Path
+from specchat.engine import repack_probe
+if sys.argv[2] == "capped":
+    repack_probe.keep_tiles_for_llama_cpp()
+import torch
+from specchat.engine import llamacpp
+work = Path(sys.argv[1])
+llamacpp.quantize(repack_probe.write_tiny_gguf(work / "f32.gguf"), work / "q4_0.gguf", "Q4_0")
+context = llamacpp.GGUFModel(work / "q4_0.gguf", repack=True).context(64)
+context.decode([1, 2, 3], 0, 3)  # llama.cpp's threads configure their tiles
+a = torch.randn(64, 256, dtype=torch.bfloat16)
+(a @ a.T).sum()  # oneDNN: AMX kernels where it may use them, which release the tiles
+context.decode([4, 5, 6], 3, 3)
+print("lived")
+"""
+
+
+@pytest.mark.skipif(not amx_cpu(), reason="needs a CPU with AMX")
+@pytest.mark.parametrize("capped", [True, False])
+def test_torch_bfloat16_matmuls_leave_llama_cpps_amx_tiles_alone(tmp_path, capped):
+    """Where llama.cpp's AMX path runs, a process that will run llama.cpp keeps oneDNN off AMX (threads.py calls
+    keep_tiles_for_llama_cpp before torch loads); without that (the control) the next decode faults."""
+    if not repack_probe.verdict().repack:
+        pytest.skip("llama.cpp's repacking is off on this machine: its AMX path never runs")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    ran = subprocess.run([sys.executable, "-c", TORCH_THEN_LLAMA_CPP, str(tmp_path), "capped" if capped else "not"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    if capped:
+        assert ran.returncode == 0 and ran.stdout.strip() == "lived", ran.stderr
+    else:
+        assert ran.returncode < 0

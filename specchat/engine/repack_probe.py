@@ -46,6 +46,15 @@ class Verdict:
         return f"llama.cpp's {repacker()} {self.reason} on this CPU: weight repacking off (slower, safe)"
 
 
+def keep_tiles_for_llama_cpp() -> None:
+    """Before torch loads in a process that will run llama.cpp: keep oneDNN (torch's bfloat16 matmuls) off AMX.
+    oneDNN releases the tile configuration after each AMX kernel, while llama.cpp configures a thread's tiles once
+    and keeps them: a torch bfloat16 matmul, then a llama.cpp decode of several positions on the same thread, dies
+    of SIGILL. oneDNN's AVX-512 kernels stay (torch's float32 matmuls never used AMX)."""
+    if "torch" not in sys.modules and "amx_tile" in cpu_flags().split():
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+
 def repacker() -> str:
     """What llama.cpp's repacking runs on this CPU, in the words a user would search for."""
     return "AMX path" if "amx_int8" in cpu_flags().split() else "weight repacking"
