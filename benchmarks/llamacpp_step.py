@@ -23,6 +23,7 @@ threads.prepare_process()
 
 import torch  # noqa: E402
 
+from specchat import repack_probe  # noqa: E402
 from specchat.engine.llamacpp import GGUFModel  # noqa: E402
 from specchat.models import default_gguf, quantized_gguf  # noqa: E402
 
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--repack", choices=["probe", "on", "off", "both"], default="probe")
     args = ap.parse_args()
     path = Path(args.file) if args.file else default_gguf()
-    repacks = {"probe": [None], "on": [True], "off": [False], "both": [True, False]}[args.repack]
+    repacks = {"probe": [repack_probe.verdict().repack], "on": [True], "off": [False], "both": [True, False]}[args.repack]
     files = {"file": path, **{t: quantized_gguf(path, t) for t in args.types.split(",") if t}}
     models = {(name, r): GGUFModel(p, repack=r) for name, p in files.items() for r in repacks}
     print(f"{path.name}; load average before {os.getloadavg()}", flush=True)

@@ -322,6 +322,7 @@ def gguf_tokenizer(path: Path):
 def load_gguf(spec: str | None, tokenizer=None) -> LoadedModel:
     """A GGUF file (no spec: the default model's) on llama.cpp, with its tokenizer (`tokenizer`, if load_tokenizer
     already read it)."""
+    from specchat import repack_probe
     from specchat.engine.llamacpp import EngineError, GGUFModel
 
     path = default_gguf() if spec is None else Path(spec).expanduser()
@@ -329,7 +330,7 @@ def load_gguf(spec: str | None, tokenizer=None) -> LoadedModel:
         raise ModelError(f"GGUF file not found: {path}")
     tokenizer = gguf_tokenizer(path) if tokenizer is None else tokenizer
     try:
-        model = GGUFModel(path)
+        model = GGUFModel(path, repack=repack_probe.verdict().repack)  # where a child process decoded with it and lived
     except EngineError as e:
         raise ModelError(f"{e} (is it a GGUF model file?)") from e
     return LoadedModel(model, tokenizer, DEFAULT_MODEL_NAME if spec is None else spec)

@@ -19,7 +19,7 @@ from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.head import fingerprint
 from specchat.engine.events import RoundRecord
-from specchat.engine import repack_probe
+from specchat import repack_probe
 from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams

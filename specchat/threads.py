@@ -59,7 +59,7 @@ def prepare_for_llama_cpp() -> None:
     AMX tiles llama.cpp configures once per thread (repack_probe.keep_tiles_for_llama_cpp)."""
     if _our_spin and "torch" not in sys.modules:
         os.environ["GOMP_SPINCOUNT"] = LLAMA_CPP_SPIN_COUNT
-    from specchat.engine.repack_probe import keep_tiles_for_llama_cpp
+    from specchat.repack_probe import keep_tiles_for_llama_cpp
 
     keep_tiles_for_llama_cpp()
 

@@ -15,7 +15,7 @@ os.environ["SPECCHAT_CONFIG_DIR"] = os.path.join(_scratch, "config")
 os.environ["SPECCHAT_STATE_DIR"] = os.path.join(_scratch, "state")  # auto's learnt rates: every run starts unlearnt
 
 # a worker runs torch's bfloat16 tests and llama.cpp's on the same threads, as specchat never does (repack_probe.py)
-from specchat.engine.repack_probe import keep_tiles_for_llama_cpp  # noqa: E402
+from specchat.repack_probe import keep_tiles_for_llama_cpp  # noqa: E402
 
 keep_tiles_for_llama_cpp()
 

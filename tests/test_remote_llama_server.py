@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specchat.engine import remote, repack_probe
+from specchat import repack_probe
+from specchat.engine import remote
 from specchat.engine.sampling_params import SamplingParams
 from specchat.models import default_gguf
 from specchat.remote_session import RemoteSession

@@ -1,8 +1,9 @@
 """llama.cpp's weight repacking is used only where a child process decoded with it and lived: a native fault in the
-probe turns repacking off with one line for the user, never kills specchat (engine/repack_probe.py)."""
+probe turns repacking off with one line for the user, never kills specchat (repack_probe.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from specchat.engine import llamacpp, repack_probe
-from specchat.engine.repack_probe import Verdict
+from specchat import repack_probe
+from specchat.engine import llamacpp
+from specchat.repack_probe import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
@@ -39,8 +41,9 @@ def fresh_verdict(monkeypatch, tmp_path):
 
 def test_a_child_killed_by_a_signal_turns_repacking_off_and_says_where():
     v = repack_probe.run_probe(child_that(DIES_AT_TWO))
-    assert v == Verdict(False, "faults (SIGILL) on a decode of 2 positions of Q4_0")
-    assert v.notice.startswith("llama.cpp's ") and v.notice.endswith("on this CPU: weight repacking off (slower, safe)")
+    assert v == Verdict(False, "faults (SIGILL) on this CPU on a decode of 2 positions of Q4_0")
+    assert v.notice == f"llama.cpp's {repack_probe.repacker()} faults (SIGILL) on this CPU on a decode of 2 positions of Q4_0: " \
+        "weight repacking off (slower, safe)"
 
 
 def test_logits_far_from_unrepacked_ones_turn_repacking_off():
@@ -50,7 +53,7 @@ def test_logits_far_from_unrepacked_ones_turn_repacking_off():
 
 def test_a_child_that_hangs_or_fails_turns_repacking_off(monkeypatch):
     monkeypatch.setattr(repack_probe, "TIMEOUT_S", 1)
-    assert repack_probe.run_probe(child_that("import time; time.sleep(30)")) == Verdict(False, "did not finish a test decode in 1 s")
+    assert repack_probe.run_probe(child_that("import time; time.sleep(30)")) == Verdict(False, "did not finish a test decode on this CPU in 1 s")
     failed = repack_probe.run_probe(child_that("import sys; sys.exit('no gguf package')"))
     assert not failed.repack and "no gguf package" in failed.reason
 
@@ -75,14 +78,19 @@ def test_the_probe_runs_once_per_machine_and_is_remembered(fresh_verdict, monkey
 def test_llama_arg_repack_decides_without_a_probe(fresh_verdict, monkeypatch):
     monkeypatch.setattr(repack_probe, "child_command", child_that("raise SystemExit('the probe must not run')"))
     monkeypatch.setenv("LLAMA_ARG_REPACK", "0")
-    assert repack_probe.known() and repack_probe.verdict() == Verdict(False, "turned off by LLAMA_ARG_REPACK=0")
+    assert repack_probe.known() and repack_probe.verdict() == Verdict(False, "is set off by LLAMA_ARG_REPACK=0")
 
 
-def test_where_the_probe_faults_models_load_unrepacked_and_the_session_says_so(fresh_verdict, monkeypatch, tmp_path):
-    monkeypatch.setattr(repack_probe, "child_command", child_that(DIES_AT_TWO))
+@pytest.mark.parametrize("child", [DIES_AT_TWO, "print('{\"worst\": 0.0, \"where\": \"Q4_0, 2 positions\"}')"])
+def test_models_load_repacked_only_where_the_probe_lived(fresh_verdict, monkeypatch, tmp_path, child):
+    from specchat.models import load_gguf
+
+    monkeypatch.setattr(repack_probe, "child_command", child_that(child))
     path = repack_probe.write_tiny_gguf(tmp_path / "tiny.gguf")
-    model = llamacpp.GGUFModel(path)
-    assert model.repack is False
+    model = load_gguf(str(path), tokenizer="ids only").model
+    assert model.repack is (child != DIES_AT_TWO)
+    if model.repack and not repack_probe.run_probe().repack:
+        return  # this machine's own repacking faults: the decode below would too
     logits = model.context(64).decode(list(range(1, 10)), 0, 9)  # several positions: what faulted in the probe
     assert logits.shape == (9, 512) and logits.isfinite().all()
 
@@ -147,7 +155,7 @@ def test_the_install_header_keeps_ggmls_tile_configuration(tmp_path, fixed):
 TORCH_THEN_LLAMA_CPP = """
 import sys
 from pathlib import Path
-from specchat.engine import repack_probe
+from specchat import repack_probe
 if sys.argv[2] == "capped":
     repack_probe.keep_tiles_for_llama_cpp()
 import torch
@@ -177,3 +185,18 @@ def test_torch_bfloat16_matmuls_leave_llama_cpps_amx_tiles_alone(tmp_path, cappe
         assert ran.returncode == 0 and ran.stdout.strip() == "lived", ran.stderr
     else:
         assert ran.returncode < 0
+
+
+@pytest.mark.slow
+def test_generate_says_in_its_summary_that_repacking_is_off():
+    """The default command on the default model, with repacking off as the probe would turn it off: one line."""
+    from helpers import run_env
+
+    env = run_env(LLAMA_ARG_REPACK="0")
+    ran = subprocess.run([sys.executable, "-m", "specchat", "generate", "--prompt", "Hi", "--max-new-tokens", "3", "--format", "json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    summary = [json.loads(line) for line in ran.stdout.splitlines()][-1]
+    assert summary["type"] == "summary" and summary["engine"] == "llama.cpp"
+    assert summary["notices"] == [f"llama.cpp's {repack_probe.repacker()} is set off by LLAMA_ARG_REPACK=0: weight repacking "
+                                  f"off (slower, safe)"]

@@ -287,7 +287,7 @@ def load_models(opts: dict, progress):
             with progress.status(plan):
                 convert_gguf(path)
     if engine == "llama.cpp":
-        from specchat.engine import repack_probe
+        from specchat import repack_probe
 
         if not repack_probe.known():
             with progress.status("Testing llama.cpp's weight repacking once on this CPU, in a child process (a second)..."):

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specchat.engine import repack_probe
 from specchat.engine.target import TargetState
 
 N_BATCH = 512  # positions per llama_decode call (longer prompts go in chunks)
@@ -78,14 +77,13 @@ class GGUFModel:
 
     engine = "llama.cpp"
 
-    def __init__(self, path: str | Path, repack: bool | None = None) -> None:
-        """`repack`: llama.cpp's weight repacking (None: where repack_probe found it safe on this machine)."""
+    def __init__(self, path: str | Path, repack: bool = False) -> None:
+        """`repack`: llama.cpp's weight repacking, faster where it is safe (models.load_gguf asks repack_probe.py)."""
         lib = bindings()
         self.path = Path(path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0  # this engine is the CPU's; CUDA targets run on torch
-        # repacked weights only where a child process decoded with them and lived (repack_probe.py)
-        self.repack = params.use_extra_bufts = repack_probe.verdict().repack if repack is None else repack
+        self.repack = params.use_extra_bufts = repack
         self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise EngineError(f"llama.cpp cannot load {self.path}")

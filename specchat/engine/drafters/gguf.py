@@ -23,7 +23,7 @@ class GGUFDrafter(ModelDrafter):
             if quant_gguf is None:
                 raise ModeUnavailable("mode 'quant' on llama.cpp needs a smaller quantisation of the target's file; none was made")
             try:
-                return cls(GGUFModel(quant_gguf), name="quant", n_ctx=target.context_len)
+                return cls(GGUFModel(quant_gguf, repack=target.repack), name="quant", n_ctx=target.context_len)
             except EngineError as e:
                 raise ModeUnavailable(f"mode 'quant': {e}") from None
         if draft is None:

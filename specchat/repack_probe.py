@@ -7,7 +7,7 @@ drops the tile configuration; the README's install works around it with scripts/
 writes a tiny llama GGUF, quantises it to types llama.cpp repacks, decodes 1, 2 and 9 positions with repacking
 on and off and compares the logits; specchat repacks only where the child lived and agreed.
 
-    python -m specchat.engine.repack_probe DIR     # the child: prints one JSON line, or dies
+    python -m specchat.repack_probe DIR     # the child: prints a JSON line per step and its result, or dies
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Verdict:
         """The one line the user sees where repacking is off; nothing where it is on."""
         if self.repack:
             return None
-        return f"llama.cpp's {repacker()} {self.reason} on this CPU: weight repacking off (slower, safe)"
+        return f"llama.cpp's {repacker()} {self.reason}: weight repacking off (slower, safe)"
 
 
 def keep_tiles_for_llama_cpp() -> None:
@@ -70,12 +70,11 @@ def cpu_flags() -> str:
 
 def library_files() -> list[Path]:
     """llama-cpp-python's native libraries: a rebuilt or upgraded llama.cpp is probed again."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        return []
-    return sorted(p for p in (Path(spec.origin).parent / "lib").glob("*.so*") if p.is_file())
+    for folder in sys.path:
+        lib = Path(folder or ".") / "llama_cpp" / "lib"
+        if lib.is_dir():
+            return sorted(p for p in lib.glob("*.so*") if p.is_file())
+    return []
 
 
 def probe_key() -> str:
@@ -97,7 +96,7 @@ def verdict() -> Verdict:
     """This machine's verdict: LLAMA_ARG_REPACK=0/1 (llama-server's own switch) decides; else the cached probe."""
     forced = os.environ.get("LLAMA_ARG_REPACK")
     if forced in ("0", "1"):
-        return Verdict(forced == "1", "turned off by LLAMA_ARG_REPACK=0" if forced == "0" else "LLAMA_ARG_REPACK=1")
+        return Verdict(forced == "1", f"is set {'on' if forced == '1' else 'off'} by LLAMA_ARG_REPACK={forced}")
     path = verdict_path()
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         return Verdict(**json.loads(path.read_text()))
@@ -116,7 +115,7 @@ def known() -> bool:
 
 
 def child_command(workdir: Path) -> list[str]:
-    return [sys.executable, "-m", "specchat.engine.repack_probe", str(workdir)]
+    return [sys.executable, "-m", "specchat.repack_probe", str(workdir)]
 
 
 def run_probe(command=child_command) -> Verdict:
@@ -125,7 +124,7 @@ def run_probe(command=child_command) -> Verdict:
         try:
             done = subprocess.run(command(Path(tmp)), capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return Verdict(False, f"did not finish a test decode in {TIMEOUT_S} s")
+            return Verdict(False, f"did not finish a test decode on this CPU in {TIMEOUT_S} s")
         except OSError as e:
             return Verdict(False, f"could not be tested ({e})")
     lines = done.stdout.strip().splitlines()
@@ -135,14 +134,14 @@ def run_probe(command=child_command) -> Verdict:
         result = {}
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name if -done.returncode in signal.valid_signals() else str(-done.returncode)
-        return Verdict(False, f"faults ({name}) on a decode of {result['step']}" if "step" in result else f"faults ({name})")
+        return Verdict(False, f"faults ({name}) on this CPU" + (f" on a decode of {result['step']}" if "step" in result else ""))
     if "worst" not in result and "error" not in result:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return Verdict(False, f"could not be tested (probe exit status {done.returncode}: {tail})")
     if result.get("error"):
         return Verdict(False, f"could not be tested ({result['error']})")
     if result["worst"] > TOLERANCE:
-        return Verdict(False, f"gives logits {result['worst']:.2f} of their range away from unrepacked ones ({result['where']})")
+        return Verdict(False, f"gives logits {result['worst']:.2f} of their range away from unrepacked ones on this CPU ({result['where']})")
     return Verdict(True, f"matches unrepacked logits to {result['worst']:.1e} of their range on {', '.join(TYPES)}")
 
 
