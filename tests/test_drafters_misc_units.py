@@ -110,8 +110,8 @@ class FakeContext:
 class FakeGGUF:
     engine = "llama.cpp"
 
-    def __init__(self, path="draft.gguf", vocab=10, eos=(), context_len=64, can_rollback=True) -> None:
-        self.path, self.vocab_size, self.eos_ids = Path(path), vocab, set(eos)
+    def __init__(self, path="draft.gguf", vocab=10, eos=(), context_len=64, can_rollback=True, repack=False) -> None:
+        self.path, self.vocab_size, self.eos_ids, self.repack = Path(path), vocab, set(eos), repack
         self.context_len, self.can_rollback, self.contexts = context_len, can_rollback, []
 
     def context(self, n_ctx):
@@ -160,21 +160,22 @@ def test_gguf_build_for_mode_draft():
 
 
 def test_gguf_build_for_mode_quant(monkeypatch):
-    target = SimpleNamespace(context_len=333)
+    target = SimpleNamespace(context_len=333, repack=True)
     with pytest.raises(ModeUnavailable, match=r"^mode 'quant' on llama\.cpp needs a smaller quantisation of the "
                                               r"target's file; none was made$"):
         GGUFDrafter.build("quant", target, None)
     opened = []
 
-    def fake_model(path):
+    def fake_model(path, repack):
         opened.append(path)
         if path == "bad.gguf":
             raise EngineError("cannot load bad.gguf")
-        return FakeGGUF(path)
+        return FakeGGUF(path, repack=repack)
 
     monkeypatch.setattr(gguf_module, "GGUFModel", fake_model)
     d = GGUFDrafter.build("quant", target, FakeGGUF(), quant_gguf="q4.gguf")
     assert (d.name, d.n_ctx, d.model.path, opened) == ("quant", 333, Path("q4.gguf"), ["q4.gguf"])
+    assert d.model.repack is True  # the target's file was safe to repack: so is its requantised copy
     with pytest.raises(ModeUnavailable, match=r"^mode 'quant': cannot load bad\.gguf$"):
         GGUFDrafter.build("quant", target, None, quant_gguf="bad.gguf")
 
@@ -237,12 +238,13 @@ def test_auto_is_built_from_the_other_modes_drafters():
 
 
 def test_build_drafter_passes_the_options_to_the_gguf_drafter(monkeypatch):
-    target = FakeGGUF("target.gguf", context_len=128)
+    target = FakeGGUF("target.gguf", context_len=128, repack=True)
     with pytest.raises(ModeUnavailable, match=r"^--draft-vocab needs the torch engine's lean runner"):
         build_drafter("draft", target, FakeGGUF(), draft_vocab=100)
     monkeypatch.setattr(gguf_module, "GGUFModel", FakeGGUF)
     d = build_drafter("quant", target, None, quant_gguf="q4.gguf")
     assert isinstance(d, GGUFDrafter) and d.name == "quant" and d.model.path == Path("q4.gguf") and d.n_ctx == 128
+    assert d.model.repack is True
 
 
 def test_empty_proposals_are_on_the_states_device():
