@@ -2,8 +2,8 @@
 CPU and llama.cpp build, decided once in a child process and remembered in the user cache.
 
 A fault in llama.cpp's native kernels kills the whole process, so it must happen somewhere else first. Seen: a
-llama.cpp built by GCC 11-12 on a CPU with AMX dies of SIGILL on every decode of 2 or more positions (the compiler
-drops the tile configuration; the README's install works around it with scripts/amx_tilecfg_fix.h). The child
+llama.cpp built by GCC 11-12 on a CPU with AMX dies (SIGILL or SIGSEGV) on every decode of 2 or more positions (the
+compiler drops the tile configuration; the README's install works around it with scripts/amx_tilecfg_fix.h). The child
 writes a tiny llama GGUF, quantises it to types llama.cpp repacks, decodes 1, 2 and 9 positions with repacking
 on and off and compares the logits; specchat repacks only where the child lived and agreed.
 
