@@ -49,7 +49,10 @@ class LlamaServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         gguf = str(default_gguf())
-        cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "-c", "2048", "-t", "1", *args]
+        # -ub 1: every position is decoded alone, in every configuration, so a verify rounds as a plain step does and
+        # greedy text cannot part at a near tie (a batch of positions takes other kernels: AMX tiles here)
+        cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "-c", "2048", "-t", "1",
+               "-ub", "1", *args]
         if not repack_probe.verdict().repack:  # where llama.cpp's repacking faults in-process, it faults in the server
             cmd.append("--no-repack")
         self.log = open(os.devnull, "wb")
