@@ -73,18 +73,28 @@ def saved_turns(data: Path) -> list[dict]:
     return turns
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the child in /proc")
-def test_a_native_crash_in_the_chat_keeps_finished_turns_and_the_terminal(tmp_path):
+def chat_after_one_turn(tmp_path) -> Terminal:
+    """`specchat` on a tiny model on a terminal, its first reply saved (in tmp_path/data)."""
     model = tiny_model_dir(tmp_path / "tiny")
-    data, state = tmp_path / "data", tmp_path / "state"
-    env = run_env(SPECCHAT_DATA_DIR=str(data), SPECCHAT_STATE_DIR=str(state), TERM="xterm-256color")
+    env = run_env(SPECCHAT_DATA_DIR=str(tmp_path / "data"), SPECCHAT_STATE_DIR=str(tmp_path / "state"), TERM="xterm-256color")
     term = Terminal([*SPECCHAT, "--target", str(model), "--dtype", "float32", "--mode", "off", "--temperature", "0",
                      "--max-new-tokens", "4", "--threads", "1"], env)
     try:
         wait_for(lambda: b"\x1b[?1049h" in term.output, 120, "the app to take the screen")
         time.sleep(1.0)  # the input mounted and focused (a message typed while the model loads is queued)
         term.type("hello world\r")
-        wait_for(lambda: saved_turns(data), 240, "the first turn to be saved")
+        wait_for(lambda: saved_turns(tmp_path / "data"), 240, "the first turn to be saved")
+    except BaseException:
+        term.proc.kill()
+        raise
+    return term
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the child in /proc")
+def test_a_native_crash_in_the_chat_keeps_finished_turns_and_the_terminal(tmp_path):
+    data, state = tmp_path / "data", tmp_path / "state"
+    term = chat_after_one_turn(tmp_path)
+    try:
         children = Path(f"/proc/{term.proc.pid}/task/{term.proc.pid}/children").read_text().split()
         assert len(children) == 1, children  # the chat runs in a child of the command the user started
         os.kill(int(children[0]), signal.SIGSEGV)  # as a fault in native code would
@@ -98,3 +108,17 @@ def test_a_native_crash_in_the_chat_keeps_finished_turns_and_the_terminal(tmp_pa
     assert "crashed in native code (SIGSEGV)" in after_crash and "specchat --continue" in after_crash
     assert "Segmentation fault" in (state / "crash.log").read_text()  # every thread's Python stack, from the child
     assert [t["user"] for t in saved_turns(data)] == ["hello world"]
+
+
+def test_a_kill_of_the_command_the_user_started_reaches_the_chat_which_saves_and_exits_143(tmp_path):
+    term = chat_after_one_turn(tmp_path)
+    try:
+        term.proc.send_signal(signal.SIGTERM)  # the parent: it passes the signal on
+        assert term.proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+    time.sleep(0.5)
+    assert b"\x1b[?1049l" in term.output.rsplit(b"\x1b[?1049h", 1)[-1]  # the app itself left the screen
+    assert b"crashed" not in term.output
+    assert [t["user"] for t in saved_turns(tmp_path / "data")] == ["hello world"]
