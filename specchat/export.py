@@ -1,14 +1,14 @@
 """Session export: JSON (configuration, every turn, round and token, per-mode summaries), CSV (one row per round)
 and the conversation as Markdown (to read or share).
 
-The three files are written in full beside their targets before any replaces its predecessor (store.atomic_path),
-so an export interrupted by a crash, a full disk or a failed write never leaves a half-written file where a good
-one was, nor a new JSON beside an old CSV. Without a path they go to the user data folder (store.exports_dir).
+The three files are written in full beside their targets before any replaces its predecessor, then renamed as a set
+(store.atomic_files): a full disk, a failed write or a refused rename leaves the previous export as it was, never a
+half-written file nor a new JSON beside an old CSV; only a crash between two renames (microseconds) can leave a mix.
+Without a path they go to the user data folder (store.exports_dir).
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specchat.machine import client_info, hardware_info
-from specchat.store import atomic_path, exports_dir, write_file
+from specchat.store import atomic_files, exports_dir, write_file
 
 FORMAT = "specchat-session/1"
 
@@ -171,13 +171,13 @@ def write_export(session, path: Path) -> tuple[Path, Path]:
     returns the JSON and CSV paths."""
     data = session_data(session)
     json_path, csv_path = export_paths(path)
-    texts = {json_path: json.dumps(json_safe(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n",
-             csv_path: rounds_csv(data), markdown_path(json_path): conversation_markdown(session, data)}
-    # every file written in full beside its target before any replaces one: a full disk or a failed write leaves the
-    # previous export as it was (the renames come last, the JSON's last of all)
-    with contextlib.ExitStack() as stack:
-        for target, text in texts.items():
-            write_file(stack.enter_context(atomic_path(target)), text)
+    texts = {csv_path: rounds_csv(data), markdown_path(json_path): conversation_markdown(session, data),
+             json_path: json.dumps(json_safe(data), indent=1, ensure_ascii=False, allow_nan=False, default=str) + "\n"}
+    # every file written in full beside its target before any replaces one, then renamed as a set, the JSON last: a
+    # full disk, a failed write or a refused rename leaves the previous export as it was (store.atomic_files)
+    with atomic_files(list(texts)) as tmps:
+        for tmp, text in zip(tmps, texts.values()):
+            write_file(tmp, text)
     return json_path, csv_path
 
 

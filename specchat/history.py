@@ -139,7 +139,16 @@ def conversations(folder: Path | None = None) -> list[Summary]:
         first = next((m["content"] for m in data.get("messages", []) if m.get("role") == "user"), "")
         out.append(Summary(path, str(data.get("updated", "")), str(data.get("model", "?")), len(data.get("turns", [])), first))
     # the saved time has whole seconds: the file's own time orders two saved within one
-    return sorted(out, key=lambda s: (s.updated, s.path.stat().st_mtime_ns), reverse=True)
+    return sorted(out, key=lambda s: (_instant(s.updated), s.path.stat().st_mtime_ns), reverse=True)
+
+
+def _instant(updated: str) -> float:
+    """The saved time as an instant: as strings, 01:10+00:00 after a daylight-saving change sorts before 01:50+01:00.
+    A time without an offset is local; one that is not a time sorts last."""
+    try:
+        return datetime.fromisoformat(updated).timestamp()
+    except ValueError:
+        return float("-inf")
 
 
 def latest(folder: Path | None = None) -> Path | None:

@@ -65,10 +65,22 @@ def user_themes_dir() -> Path:
 # ---------------------------------------------------------------- atomic writes
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+@contextlib.contextmanager
+def _beside(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` (the same file system, so a rename publishes it), in a folder removed afterwards."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")) / path.name
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def _keep_mode(tmp: Path, path: Path) -> None:
+    """A file replacing another takes its mode. A new one keeps the mode its writer's open() gave it (the umask's):
+    reading the umask means setting it, process-wide, and a file another thread created meanwhile would get 0666."""
+    if tmp.is_file() and path.is_file():
+        os.chmod(tmp, path.stat().st_mode & 0o777)
 
 
 @contextlib.contextmanager
@@ -78,19 +90,46 @@ def atomic_path(path: Path) -> Iterator[Path]:
     A directory cannot replace a non-empty one: when another process wrote `path` first (two first starts
     converting the same model at once), its copy is kept and this one dropped: both hold the same content."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")) / path.name
-    try:
+    with _beside(path) as tmp:
         yield tmp
-        if tmp.is_file():
-            os.chmod(tmp, path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask())
+        _keep_mode(tmp, path)
         try:
             os.replace(tmp, path)
         except OSError:
             if not (tmp.is_dir() and path.is_dir() and any(path.iterdir())):
                 raise
-    finally:
-        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_files(paths: list[Path]) -> Iterator[list[Path]]:
+    """Yield temporary paths beside `paths` (files) to write; on success they replace `paths` one by one, in order.
+
+    Should a rename fail, those already done are undone (the previous file put back, or the new one removed where
+    there was none), so a failed write or rename leaves the set as it was; only a crash between two renames can
+    leave some new and some old."""
+    paths = [Path(p) for p in paths]
+    with contextlib.ExitStack() as stack:
+        tmps = [stack.enter_context(_beside(p)) for p in paths]
+        yield tmps
+        done = []
+        try:
+            for tmp, path in zip(tmps, paths):
+                old = tmp.with_name(f"{tmp.name}.old")  # the previous file, kept until the whole set is in place
+                if path.is_file():
+                    try:
+                        os.link(path, old)
+                    except OSError:  # a file system without hard links
+                        shutil.copy2(path, old)
+                _keep_mode(tmp, path)
+                os.replace(tmp, path)
+                done.append((path, old))
+        except BaseException:
+            for path, old in reversed(done):
+                if old.exists():
+                    os.replace(old, path)
+                else:
+                    path.unlink(missing_ok=True)
+            raise
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -88,6 +88,29 @@ def test_write_is_atomic_the_old_file_survives_a_failed_write(tmp_path, monkeypa
     assert path.read_text() == "new" and path.stat().st_mode == mode
 
 
+def test_a_new_file_gets_the_mode_a_plain_open_gives_and_the_process_umask_is_never_changed(tmp_path, monkeypatch):
+    """The umask is process-wide: setting it even briefly would give a file another thread creates meanwhile 0666."""
+    real_umask = os.umask
+    old_mask = real_umask(0o027)
+    try:
+        def umask(mask):
+            pytest.fail(f"os.umask({mask:#o}) called during an atomic write")
+
+        monkeypatch.setattr(os, "umask", umask)
+        write_atomic(tmp_path / "new.json", "x")
+        with store.atomic_path(tmp_path / "new.bin") as tmp:
+            tmp.write_bytes(b"x")
+        monkeypatch.undo()
+        with open(tmp_path / "plain", "w"):
+            pass
+        mode = (tmp_path / "plain").stat().st_mode & 0o777
+        assert mode == 0o640
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == mode
+        assert (tmp_path / "new.bin").stat().st_mode & 0o777 == mode
+    finally:
+        real_umask(old_mask)
+
+
 def test_a_directory_written_first_by_another_process_is_kept(tmp_path):
     """Two first starts converting the same model at once: the second finds the folder there and keeps it."""
     out = tmp_path / "model"
@@ -329,3 +352,45 @@ def test_an_export_that_cannot_be_written_anywhere_says_the_session_was_not_save
     assert re.fullmatch(rf"could not write the export to {re.escape(str(bad))} \(Not a directory\) nor to "
                         rf"{re.escape(str(tmp_path / 'file' / 'data' / 'exports'))}/specchat-session-\d{{8}}-\d{{6}}\.json "
                         r"\(Not a directory\): the session was not saved", line), line
+
+
+def test_an_export_whose_second_rename_fails_leaves_the_previous_three_files_as_they_were(tmp_path, monkeypatch):
+    """One file renamed, the next refused: the one renamed is put back, so the set is never half new, half old."""
+    first = FakeSession()
+    list(first.reply("first"))
+    write_export(first, tmp_path / "s.json")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert set(before) == {"s.json", "s.csv", "s.md"}
+
+    second = FakeSession()
+    list(second.reply("second"))
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(13, "Permission denied")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    with pytest.raises(OSError):
+        write_export(second, tmp_path / "s.json")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_an_export_whose_second_rename_fails_leaves_no_file_where_there_was_none(tmp_path, monkeypatch):
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(13, "Permission denied")
+        real_replace(src, dst)
+
+    session = FakeSession()
+    list(session.reply("first"))
+    monkeypatch.setattr(store.os, "replace", replace)
+    with pytest.raises(OSError):
+        write_export(session, tmp_path / "s.json")
+    assert os.listdir(tmp_path) == []

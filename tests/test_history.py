@@ -301,3 +301,46 @@ def test_a_file_that_is_not_a_conversation_is_refused_with_its_path_and_why(data
     with pytest.raises(ValueError) as e:
         history.load(other)
     assert str(e.value) == f"{other}: not a specchat conversation"
+
+
+def test_the_latest_is_the_last_updated_instant_across_a_change_of_utc_offset(data):
+    """Saved with the offset of the time: at a daylight-saving change the later instant can be the smaller string."""
+    data.mkdir(parents=True)
+    for name, updated in (("a.json", "2026-03-29T02:30:00+01:00"), ("b.json", "2026-03-29T01:45:00+00:00"),
+                          ("c.json", "2026-10-25T02:30:00+02:00"), ("d.json", "2026-10-25T02:10:00+01:00")):
+        data.joinpath(name).write_text(json.dumps({"format": history.FORMAT, "updated": updated, "turns": [{}]}))
+    assert [c.path.name for c in history.conversations()] == ["d.json", "c.json", "b.json", "a.json"]
+    assert history.latest() == data / "d.json"
+
+
+@pytest.mark.parametrize("fail", ["serialise", "write", "rename"])
+def test_a_save_that_fails_leaves_the_previous_file_intact_and_no_stray_files(data, monkeypatch, fail):
+    """The JSON cannot be made, the disk fills while it is written, or the rename is refused: the file saved after
+    the previous turn is byte for byte what it was, and nothing else is left in the folder."""
+    from specchat import store
+
+    session, log = FakeSession(), ConversationLog(data / "c.json")
+    chat(session, log, "first")
+    before = log.path.read_bytes()
+    list(session.reply("second"))
+    if fail == "serialise":
+        def dumps(*args, **kwargs):
+            raise TypeError("not JSON serialisable")
+
+        monkeypatch.setattr(history.json, "dumps", dumps)
+    elif fail == "write":
+        def write_file(path, text):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text[: len(text) // 2])
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(store, "write_file", write_file)
+    else:
+        def no_rename(src, dst):
+            raise OSError(13, "Permission denied")
+
+        monkeypatch.setattr(store.os, "replace", no_rename)
+    with pytest.raises((OSError, TypeError)):
+        log.save(session)
+    monkeypatch.undo()
+    assert log.path.read_bytes() == before and os.listdir(data) == ["c.json"]
