@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,42 +202,13 @@ CONVERSION_PARAMS_PER_S = 4.5e6
 
 
 def gguf_file_type(path: Path) -> str | None:
-    """The file's quantisation as llama.cpp names it (Q4_K_M, F16, F32), from general.file_type in the header: a
-    walk over the metadata that reads only lengths (gguf's GGUFReader parses the whole vocabulary: seconds)."""
-    import gguf
-
-    kinds = gguf.GGUFValueType
-    sizes = {kinds.UINT8: 1, kinds.INT8: 1, kinds.BOOL: 1, kinds.UINT16: 2, kinds.INT16: 2, kinds.UINT32: 4, kinds.INT32: 4,
-             kinds.FLOAT32: 4, kinds.UINT64: 8, kinds.INT64: 8, kinds.FLOAT64: 8}
-
-    def skip(f, kind: int) -> None:
-        if kind == kinds.STRING:
-            f.seek(struct.unpack("<Q", f.read(8))[0], 1)
-        elif kind == kinds.ARRAY:
-            item, count = struct.unpack("<IQ", f.read(12))
-            if item in sizes:
-                f.seek(sizes[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(f, item)
-        else:
-            f.seek(sizes[kind], 1)
+    """The file's quantisation as llama.cpp names it (Q4_K_M, F16, F32), from general.file_type in the header."""
+    from specchat import gguf_header
 
     try:
-        with open(path, "rb") as f:
-            magic, _version, _tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
-            if magic != b"GGUF":
-                return None
-            for _ in range(n_kv):
-                key = f.read(struct.unpack("<Q", f.read(8))[0])
-                kind = struct.unpack("<I", f.read(4))[0]
-                if key == b"general.file_type":
-                    name = gguf.LlamaFileType(struct.unpack("<I", f.read(4))[0]).name
-                    return "F32" if name == "ALL_F32" else name.removeprefix("MOSTLY_")
-                skip(f, kind)
-    except (OSError, struct.error, KeyError, ValueError):  # not a GGUF we can read: the plan says less
+        return gguf_header.read(path).file_type
+    except (OSError, ValueError):  # not a GGUF we can read: the plan says less
         return None
-    return None
 
 
 def gguf_bits_per_weight(file_type: str | None) -> float | None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import FakeSession, run_env, tiny_model_dir
+from helpers import FakeSession, run_env, tiny_llama, tiny_model_dir, write_gguf
 from specchat.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +127,53 @@ def test_a_file_that_is_not_gguf_is_one_line_on_the_llama_cpp_engine(tmp_path):
     r = invoke("generate", "--prompt", "hi", "--engine", "llama.cpp", "--target", bad)
     lines = r.output.strip().splitlines()
     assert r.exit_code == 1 and len(lines) == 1 and "is not a GGUF model" in lines[0], r.output
+
+
+@pytest.fixture
+def no_model_code(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("model code ran before the options were checked")
+
+    monkeypatch.setattr("specchat.cli.options.load_models", refuse)
+    monkeypatch.setattr("specchat.cli.bench.load_models", refuse)
+
+
+@pytest.mark.parametrize("cut", ["half", "header", "not gguf"])
+def test_a_damaged_gguf_is_one_line_before_any_model_code_runs(cut, tmp_path, no_model_code):
+    whole = write_gguf(tiny_llama(0), tmp_path / "whole.gguf").read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes({"half": whole[:len(whole) // 2], "header": whole[:100], "not gguf": b"<html>" + whole[6:]}[cut])
+    expected = {"half": f"its tensors need {len(whole):,} bytes, the file has {len(whole) // 2:,}",
+                "header": "is truncated or damaged", "not gguf": "its first bytes are b'<htm'"}[cut]
+    for engine in ("torch", "llama.cpp"):
+        r = invoke("generate", "--prompt", "hi", "--engine", engine, "--target", bad)
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 1 and len(lines) == 1 and expected in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_a_whole_gguf_passes_the_header_check(tmp_path):
+    from specchat import gguf_header
+
+    path = write_gguf(tiny_llama(0), tmp_path / "whole.gguf")
+    assert gguf_header.problem(path) is None and gguf_header.read(path).file_type == "F32"
+
+
+OPTIONS_THAT_CLASH = {
+    "draft mode without draft": ["generate", "--prompt", "hi", "--mode", "draft"],
+    "system with raw": ["generate", "--prompt", "hi", "--raw", "--system", "be brief"],
+    "llama.cpp off the CPU": ["generate", "--prompt", "hi", "--engine", "llama.cpp", "--device", "cuda"],
+    "llama.cpp with a torch-only mode": ["generate", "--prompt", "hi", "--engine", "llama.cpp", "--mode", "layerskip"],
+    "verify without a mode": ["verify"],
+    "bench's draft mode without draft": ["bench", "--modes", "draft"],
+    "bench on llama.cpp": ["bench", "--engine", "llama.cpp", "--modes", "off"],
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS_THAT_CLASH))
+def test_options_that_do_not_go_together_exit_2_as_usage_errors(case, no_model_code):
+    r = invoke(*OPTIONS_THAT_CLASH[case])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), r.output
 
 
 # ---------------------------------------------------------------- --export

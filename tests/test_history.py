@@ -181,7 +181,7 @@ def test_generate_puts_the_system_message_before_the_prompt(tiny):
 
     assert prompt_tokens("--system", "the quick brown fox") >= prompt_tokens() + 4  # the system message's words
     result = invoke("generate", "--target", tiny, "--prompt", "hi", "--raw", "--system", "x")
-    assert result.exit_code == 1 and "--system needs the chat template" in result.output
+    assert result.exit_code == 2 and "--system needs the chat template" in result.output
 
 
 @pytest.mark.parametrize("args", [["history", "--help"], ["history"]])

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from specchat.cli.options import (BadOption, UserError, load_models, mode_setting_options, mode_settings, model_options, parse_servers,
-                                  server_options, user_errors)
+                                  preflight, server_options, user_errors)
 from specchat.modes import MODES
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -44,7 +44,7 @@ def choose_modes(spec: str | None, has_draft: bool) -> tuple[list[str], dict[str
         if m not in MODES:
             raise UserError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
         if m == "draft" and not has_draft:
-            raise UserError("mode 'draft' needs a draft model: pass --draft MODEL")
+            raise BadOption("mode 'draft' needs a draft model: pass --draft MODEL")
     return (["off"] if "off" not in modes else []) + modes, {}
 
 
@@ -227,8 +227,9 @@ def bench(**opts):
 
     console = Console(stderr=True)
     if opts.get("engine") == "llama.cpp":  # its quality checks score the target's outputs with torch
-        raise UserError("bench runs on the torch engine; benchmarks/engines.py measures the llama.cpp engine's modes")
+        raise BadOption("bench runs on the torch engine; benchmarks/engines.py measures the llama.cpp engine's modes")
     opts["engine"] = "torch"
+    preflight(opts)
     with user_errors():
         target, draft, device, dtype = load_models(opts, console)
         drafters, drafter_mb = build_drafters(plan, target, draft, device)

@@ -8,8 +8,8 @@ from collections import Counter
 
 import click
 
-from specchat.cli.options import (INTERRUPTED, UserError, config_summary, generation_options, load_session, model_options,
-                                  server_options, system_option, user_errors)
+from specchat.cli.options import (INTERRUPTED, BadOption, UserError, config_summary, generation_options, load_session,
+                                  model_options, server_options, system_option, user_errors)
 from specchat.fmt import num
 
 KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
@@ -34,7 +34,7 @@ def generate(prompt, raw, fmt, **opts):
     if not prompt.strip():
         raise UserError("the prompt is empty")
     if raw and opts.get("system"):
-        raise UserError("--system needs the chat template: leave out --raw")
+        raise BadOption("--system needs the chat template: leave out --raw")
     session = load_session(opts, quiet=fmt == "json")
     interrupted, broken = False, None
     with user_errors():

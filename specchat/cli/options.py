@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from specchat import threads
+from specchat import gguf_header, threads
+from specchat.engine.errors import TORCH_ONLY
 from specchat.modes import MODES
 
 # Nothing here imports torch at module level (neither may a command module): `specchat --help`, --version and
@@ -214,11 +215,16 @@ def hub_environment(opts: dict) -> None:
 def preflight(opts: dict) -> None:
     """Refuse what is wrong with the model options before torch or a model loads (the chat is on screen before
     its models load: a missing file must not flash it). models.resolve and pick_engine check the same again
-    when loading, with the same words; this only answers sooner."""
+    when loading, with the same words; this only answers sooner. Options that do not go together are BadOption
+    (exit status 2, as click's usage errors); a model that is missing or unreadable is a UserError (1)."""
     hub_environment(opts)
     mode = opts.get("mode") or ("draft" if opts.get("draft") else "off")
     if mode == "draft" and not opts.get("draft"):
-        raise UserError("--mode draft needs a draft model: pass --draft MODEL")
+        raise BadOption("--mode draft needs a draft model: pass --draft MODEL")
+    if opts.get("engine") == "llama.cpp" and opts.get("device", "auto") not in ("auto", "cpu"):
+        raise BadOption(f"--engine llama.cpp runs on the CPU; the device is {opts['device']} (use --engine torch)")
+    if opts.get("engine") == "llama.cpp" and mode in TORCH_ONLY:
+        raise BadOption(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
     mode_settings(opts)
     for flag in ("target", "draft"):
         spec = opts.get(flag)
@@ -226,10 +232,12 @@ def preflight(opts: dict) -> None:
             continue
         path = Path(spec).expanduser()
         if opts.get("engine") == "llama.cpp" and path.suffix != ".gguf":
-            raise UserError(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
+            raise BadOption(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
                             f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {spec} (or use --engine torch)")
         if path.suffix == ".gguf" and not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
+        if path.suffix == ".gguf" and (problem := gguf_header.problem(path)):  # not GGUF, or cut short: before a loader chokes
+            raise UserError(problem)
         if path.is_dir() and not (path / "config.json").is_file():
             raise UserError(f"{path} is not a model directory (no config.json)")
         if path.exists() or path.suffix == ".gguf":

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from specchat.cli.options import UserError, config_summary, generation_options, load_session, model_options, user_errors
+from specchat.cli.options import BadOption, UserError, config_summary, generation_options, load_session, model_options, user_errors
 from specchat.fmt import num
 
 # specchat.verify's defaults, repeated here because importing it imports torch (this module must not:
@@ -38,7 +38,7 @@ def verify(prompt, raw, samples, tokens, test, alpha, fmt, **opts):
     if opts["temperature"] == 0:
         opts["temperature"] = 1.0  # greedy output is deterministic: there is no distribution to compare
     if (opts["mode"] or ("draft" if opts["draft"] else "off")) == "off":
-        raise UserError("verify tests a speculative mode against the target: choose --mode (or pass --draft)")
+        raise BadOption("verify tests a speculative mode against the target: choose --mode (or pass --draft)")
     session = load_session(opts, quiet=fmt == "json")
     with user_errors():
         if raw:

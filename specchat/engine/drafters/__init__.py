@@ -13,7 +13,7 @@ from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
 from specchat.engine.drafters.suffix import SuffixDrafter
-from specchat.engine.errors import ModeUnavailable
+from specchat.engine.errors import TORCH_ONLY, ModeUnavailable
 from specchat.engine.llamacpp import on_llama_cpp
 
 # mode -> drafter class; each has `build(target, draft, **options)`
@@ -28,15 +28,6 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "head": HeadDrafter,
     "auto": AutoDrafter,
     "suffix": SuffixDrafter,
-}
-
-
-# the modes a GGUF target on llama.cpp cannot run, and why (off, lookup, suffix, draft, quant and auto can)
-TORCH_ONLY = {
-    "layerskip": "runs a subset of the target's layers, which llama.cpp does not expose",
-    "earlyexit": "runs the target's first layers alone, which llama.cpp does not expose",
-    "lowrank": "factors the target's matrices in torch, which llama.cpp's quantised weights are not",
-    "head": "drafts from the target's last-layer features before the final norm; llama.cpp hands out only the normed output",
 }
 
 
