@@ -82,7 +82,7 @@ def test_generate_summary_says_exact_false(tiny_dir):
     text = invoke(*common[:7], "--accept", "approx:0.5")
     assert "exact: false" in text.output
     bad = invoke(*common[:7], "--accept", "approx:2")
-    assert bad.exit_code == 1 and "lambda" in bad.output
+    assert bad.exit_code == 2 and "lambda" in bad.output
 
 
 def test_verify_reports_an_approximate_rule_as_lossy(tiny_dir, tmp_path):

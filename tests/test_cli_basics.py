@@ -176,6 +176,25 @@ def test_options_that_do_not_go_together_exit_2_as_usage_errors(case, no_model_c
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), r.output
 
 
+OPTION_VALUES_THAT_CANNOT_BE_USED = {
+    "skip-layers not numbers": ["generate", "--prompt", "hi", "--mode", "layerskip", "--skip-layers", "a,b"],
+    "rank not a number": ["generate", "--prompt", "hi", "--mode", "lowrank", "--rank", "x"],
+    "an unknown acceptance rule": ["generate", "--prompt", "hi", "--accept", "sloppy"],
+    "bench's unknown mode": ["bench", "--modes", "off,turbo"],
+    "bench's draft length not a number": ["bench", "--draft-len", "2,zero"],
+    "bench's too few verify samples": ["bench", "--verify-samples", "5"],
+    "bench's unknown acceptance rule": ["bench", "--accept", "sloppy"],
+    "bench --server's unknown mode": ["bench", "--server", "http://127.0.0.1:9", "--target", "x.gguf", "--modes", "turbo"],
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_VALUES_THAT_CANNOT_BE_USED))
+def test_option_values_that_cannot_be_used_exit_2_as_usage_errors(case, no_model_code):
+    r = invoke(*OPTION_VALUES_THAT_CANNOT_BE_USED[case])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), r.output
+
+
 # ---------------------------------------------------------------- --export
 
 

@@ -123,10 +123,11 @@ def test_a_directory_written_first_by_another_process_is_kept(tmp_path):
     assert (out / "config.json").read_text() == "theirs" and os.listdir(tmp_path) == ["model"]
 
 
-@pytest.mark.parametrize("fail", ["write", "rename"])
+@pytest.mark.parametrize("fail", ["write", "rename", "second rename"])
 def test_an_export_that_fails_leaves_the_previous_export_intact_and_no_stray_files(tmp_path, monkeypatch, fail):
-    """write_export's own path: the disk fills while the CSV is written, or the first rename fails: the previous
-    JSON, CSV and Markdown are byte for byte what they were, and nothing else is left in the folder."""
+    """write_export's own path: the disk fills while the CSV is written, or the first or second rename fails (the
+    first file already replaced): the previous JSON, CSV and Markdown are byte for byte what they were, and nothing
+    else is left in the folder."""
     first = FakeSession()
     list(first.reply("first"))
     json_path, csv_path = write_export(first, tmp_path / "s.json")
@@ -146,8 +147,13 @@ def test_an_export_that_fails_leaves_the_previous_export_intact_and_no_stray_fil
 
         monkeypatch.setattr(store.os, "fsync", fsync)
     else:
+        real_replace, renames = os.replace, []
+
         def no_rename(src, dst):
-            raise OSError(13, "Permission denied")
+            renames.append(dst)
+            if len(renames) == (2 if fail == "second rename" else 1):
+                raise OSError(13, "Permission denied")
+            real_replace(src, dst)
 
         monkeypatch.setattr(store.os, "replace", no_rename)
     with pytest.raises(OSError):

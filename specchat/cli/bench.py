@@ -18,19 +18,19 @@ BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.js
 
 
 def parse_list(text: str, convert, what: str, check=lambda v: True, hint: str = "") -> list:
-    """'2,4,8' -> [2, 4, 8], with a one-line error naming the option."""
+    """'2,4,8' -> [2, 4, 8], with a one-line error naming the option (exit status 2, as click's own value errors)."""
     values = []
     for item in (x.strip() for x in text.split(",")):
         try:
             value = convert(item)
         except ValueError:
-            raise UserError(f"{what}: {item!r} is not valid{hint}") from None
+            raise BadOption(f"{what}: {item!r} is not valid{hint}") from None
         if not check(value):
-            raise UserError(f"{what}: {item!r} is not valid{hint}")
+            raise BadOption(f"{what}: {item!r} is not valid{hint}")
         if value not in values:
             values.append(value)
     if not values:
-        raise UserError(f"{what} is empty")
+        raise BadOption(f"{what} is empty")
     return values
 
 
@@ -42,7 +42,7 @@ def choose_modes(spec: str | None, has_draft: bool) -> tuple[list[str], dict[str
     modes = parse_list(spec, str, "--modes")
     for m in modes:
         if m not in MODES:
-            raise UserError(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
+            raise BadOption(f"unknown mode {m!r} in --modes; choose from {', '.join(MODES)}")
         if m == "draft" and not has_draft:
             raise BadOption("mode 'draft' needs a draft model: pass --draft MODEL")
     return (["off"] if "off" not in modes else []) + modes, {}
@@ -98,12 +98,12 @@ def make_plan(opts: dict) -> Plan:
         try:
             parse_rule(rule)
         except ValueError as e:
-            raise UserError(str(e)) from None
+            raise BadOption(str(e)) from None
     if opts["verify_samples"] and opts["verify_samples"] < 20:
-        raise UserError("--verify-samples must be 0 (skip) or at least 20")
+        raise BadOption("--verify-samples must be 0 (skip) or at least 20")
     out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S")
     if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} exists and is not a directory")
+        raise BadOption(f"--out {out_dir} exists and is not a directory")
     return Plan(
         modes=modes, skipped=skipped, explicit_modes=opts["modes"] is not None,
         ks=parse_list(opts["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
@@ -287,6 +287,9 @@ def bench_servers(opts: dict) -> None:
     sampling = SamplingParams(temperatures[0], 0, 1.0)
     if opts["modes"] and not opts["target"]:
         raise BadOption("--server with --modes: the local modes need --target (the server's model file)")
+    modes = parse_list(opts["modes"] or "off", str, "--modes")
+    if unknown := [m for m in modes if m not in MODES]:  # before a server is asked or the target loads
+        raise BadOption(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
     prompts = read_prompts(opts["prompts_spec"])
     out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S-servers")
     console = Console(stderr=True)
@@ -301,12 +304,9 @@ def bench_servers(opts: dict) -> None:
     if opts["target"]:
         from specchat.session import Session
 
-        modes = parse_list(opts["modes"] or "off", str, "--modes")
         with user_errors():
             target, draft, _, _ = load_models(opts, console)
             for mode in modes:
-                if mode not in MODES:
-                    raise UserError(f"unknown mode {mode!r} in --modes; choose from {', '.join(MODES)}")
                 session = Session(target, draft, mode=mode, k=int(opts["draft_lens"].split(",")[0]), sampling=sampling,
                                   seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], mode_options=mode_settings(opts),
                                   earlier_sessions=False)  # as the local bench: nothing learnt or saved before counts

@@ -171,7 +171,7 @@ def mode_settings(opts: dict) -> dict:
         try:
             out["skip_layers"] = [int(x) for x in opts["skip_layers"].split(",") if x.strip()]
         except ValueError:
-            raise UserError(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
+            raise BadOption(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
     if opts.get("head_file"):
         path = Path(opts["head_file"]).expanduser()
         if not path.with_suffix(".safetensors").is_file():
@@ -188,7 +188,7 @@ def mode_settings(opts: dict) -> dict:
         try:
             rank = float(opts["rank"])
         except ValueError:
-            raise UserError(f"--rank must be a fraction or an integer, got {opts['rank']!r}") from None
+            raise BadOption(f"--rank must be a fraction or an integer, got {opts['rank']!r}") from None
         out["rank"] = int(rank) if rank >= 1 else rank
     return out
 
@@ -332,7 +332,7 @@ def load_session(opts: dict, *, quiet: bool = False, progress=None):
     try:
         rule = parse_rule(opts["accept_rule"])
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise BadOption(str(e)) from None
     settings = mode_settings(opts)
     with user_errors():
         target, draft, device, dtype = load_models(opts, progress)
