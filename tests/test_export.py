@@ -360,31 +360,6 @@ def test_an_export_that_cannot_be_written_anywhere_says_the_session_was_not_save
                         r"\(Not a directory\): the session was not saved", line), line
 
 
-def test_an_export_whose_second_rename_fails_leaves_the_previous_three_files_as_they_were(tmp_path, monkeypatch):
-    """One file renamed, the next refused: the one renamed is put back, so the set is never half new, half old."""
-    first = FakeSession()
-    list(first.reply("first"))
-    write_export(first, tmp_path / "s.json")
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert set(before) == {"s.json", "s.csv", "s.md"}
-
-    second = FakeSession()
-    list(second.reply("second"))
-    real_replace, calls = os.replace, []
-
-    def replace(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:
-            raise OSError(13, "Permission denied")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(store.os, "replace", replace)
-    with pytest.raises(OSError):
-        write_export(second, tmp_path / "s.json")
-    monkeypatch.undo()
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-
-
 def test_an_export_whose_second_rename_fails_leaves_no_file_where_there_was_none(tmp_path, monkeypatch):
     real_replace, calls = os.replace, []
 
