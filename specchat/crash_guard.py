@@ -25,6 +25,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # a `kill` of the parent reaches th
 RESET_TERMINAL = ("\x1b[?1049l\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1006l\x1b[?1015l\x1b[?2004l\x1b[?1004l"
                   "\x1b[<u\x1b[?25h\r\n")
 
+# the environment the user started specchat with, taken at import, before the command sets OpenMP's spin and the hub's
+# variables: the child makes those choices again as its own (a spin it inherited would count as the user's)
+USER_ENVIRONMENT = dict(os.environ)
 _crash_log = None  # the child's open traceback file: faulthandler writes to it from a signal handler
 
 
@@ -46,7 +49,7 @@ def run_supervised(command: list[str]) -> int:
     with contextlib.suppress(OSError):  # unwritable: the chat runs all the same, without a traceback file
         log.parent.mkdir(parents=True, exist_ok=True)
     saved_tty = tty_attributes()
-    child = subprocess.Popen(command, env={**os.environ, CHILD: str(log)})
+    child = subprocess.Popen(command, env={**USER_ENVIRONMENT, CHILD: str(log)})
     for sig in FORWARDED:
         signal.signal(sig, lambda sig, frame: child.send_signal(sig))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child has the terminal's Ctrl+C and says what it did

@@ -34,6 +34,17 @@ def test_the_parent_returns_the_childs_status_and_restores_the_terminal_after_a_
     assert err.count("\n") == 1 and "crashed in native code (SIGILL)" in err and str(tmp_path / "state" / "crash.log") in err
 
 
+def test_the_child_starts_from_the_users_environment_not_the_settings_the_parent_made(tmp_path, monkeypatch, capfd):
+    """prepare_process sets GOMP_SPINCOUNT in the parent; the child must choose it again (for llama.cpp, a longer
+    spin), which it does only where the variable is not already set."""
+    monkeypatch.setenv("SPECCHAT_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # as the parent's prepare_process sets it, after import
+    assert "GOMP_SPINCOUNT" not in crash_guard.USER_ENVIRONMENT or crash_guard.USER_ENVIRONMENT["GOMP_SPINCOUNT"] != "10000"
+    code = "import os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ['SPECCHAT_CRASH_LOG'] != '')"
+    assert crash_guard.run_supervised([sys.executable, "-c", code]) == 0
+    assert capfd.readouterr().out.split() == [crash_guard.USER_ENVIRONMENT.get("GOMP_SPINCOUNT", "None"), "True"]
+
+
 class Terminal:
     """A pseudo-terminal of 120x40 with a process on it, its output drained as it comes."""
 
