@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import math
+from collections import Counter
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,7 +87,7 @@ def session_data(session) -> dict:
         # a serving engine's client knows its own machine only; the server's configuration is its own key
         "hardware": client_info() if remote else hardware_info(session.device_label, session.dtype_label),
         "server": asdict(session.server) if remote else None,
-        "mode": snapshot.mode,
+        "mode": snapshot.mode,  # the mode selected at export time; what ran is rounds_by_mode
         "draft_len": snapshot.k,
         "sampling": asdict(snapshot.sampling),
         "acceptance_rule": snapshot.rule,
@@ -94,6 +95,7 @@ def session_data(session) -> dict:
         "seed": session.seed,
         "max_new_tokens": session.max_new_tokens,
         "modes_used": list(dict.fromkeys(r.mode for r in all_rounds)),
+        "rounds_by_mode": dict(Counter(r.mode for r in all_rounds)),  # in the order they first ran (mode auto runs several)
         "draft_lengths": sorted({r.draft_len for r in all_rounds}),
         "sampling_used": sampling_used,
     }
@@ -156,8 +158,10 @@ def conversation_markdown(session, data: dict) -> str:
     config, temperature = data["config"], data["config"]["sampling"]["temperature"]
     draft = f" + {config['draft']}" if config["draft"] else ""
     sampling = "greedy" if temperature == 0 else f"T={temperature:g}"
+    ran = config["rounds_by_mode"]
+    modes = ", ".join(f"{mode} {n} round{'s' if n != 1 else ''}" for mode, n in ran.items()) if ran else f"mode {config['mode']}"
     lines = [f"# specchat conversation, {data['created']}", "",
-             f"*{config['target']}{draft} · mode {config['mode']} · K={config['draft_len']} · {sampling}*", ""]
+             f"*{config['target']}{draft} · {modes} · K={config['draft_len']} · {sampling}*", ""]
     titles = {"system": "System", "user": "User", "assistant": "Assistant"}
     with session.lock:
         messages = list(session.messages)

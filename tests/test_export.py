@@ -16,7 +16,7 @@ from specchat import store
 from specchat.engine.acceptance import LenientRule
 from specchat.engine.remote import Server
 from specchat.engine.sampling import SamplingParams
-from specchat.export import CSV_COLUMNS, export_paths, save_export, session_data, write_export
+from specchat.export import CSV_COLUMNS, conversation_markdown, export_paths, save_export, session_data, write_export
 from specchat.store import write_atomic
 from helpers import REPLY, VOCAB, FakeSession
 
@@ -49,6 +49,16 @@ def test_export_holds_every_turn_round_and_token(tmp_path):
     rows = list(csv.reader(csv_path.open()))
     assert rows[0] == CSV_COLUMNS
     assert len(rows) - 1 == sum(len(t["rounds"]) for t in data["turns"])
+
+
+def test_the_export_names_the_modes_that_ran_not_only_the_one_selected_at_the_end(tmp_path):
+    session = FakeSession(mode="lookup", k=3)
+    list(session.reply("one"))
+    session.set_mode("off")  # selected, but no round has run in it
+    data = session_data(session)
+    rounds = len(session.turns[0].rounds)
+    assert data["config"]["mode"] == "off" and data["config"]["rounds_by_mode"] == {"lookup": rounds}
+    assert f"lookup {rounds} rounds" in conversation_markdown(session, data) and "mode off" not in conversation_markdown(session, data)
 
 
 def test_a_stopped_reply_is_exported_as_far_as_it_went(tmp_path):
@@ -232,7 +242,8 @@ def test_the_configuration_says_what_ran(tmp_path):
         "target": "fake-target", "draft": "small-draft", "engine": "torch", "device": "cpu", "dtype": "float32",
         "runner": "hf", "kernel": "torch", "server": None, "mode": "lookup", "draft_len": 3,
         "sampling": asdict(SamplingParams(0.0)), "acceptance_rule": "exact", "exact": True, "seed": 0,
-        "max_new_tokens": 64, "modes_used": ["lookup"], "draft_lengths": [1, 3], "sampling_used": [asdict(SamplingParams(0.0))],
+        "max_new_tokens": 64, "modes_used": ["lookup"], "rounds_by_mode": {"lookup": len(session.turns[0].rounds)},
+        "draft_lengths": [1, 3], "sampling_used": [asdict(SamplingParams(0.0))],
     }
     hardware = data["config"]["hardware"]  # a local session: the machine and the libraries that ran the models
     assert (hardware["device"], hardware["dtype"], hardware["torch"]) == ("cpu", "float32", torch.__version__)
@@ -280,7 +291,7 @@ def test_the_markdown_holds_the_settings_and_every_message(tmp_path):
     json_path, _ = write_export(session, tmp_path / "s.json")
     created = json.loads(json_path.read_text())["created"]
     assert (tmp_path / "s.md").read_text() == (
-        f"# specchat conversation, {created}\n\n*fake-target + small-draft · mode lookup · K=4 · T=0.7*\n\n"
+        f"# specchat conversation, {created}\n\n*fake-target + small-draft · lookup {len(session.turns[0].rounds)} rounds · K=4 · T=0.7*\n\n"
         f"## System\n\nBe brief.\n\n## User\n\nhi\n\n## Assistant\n\n{REPLY_TEXT.strip()}\n")
 
     other = FakeSession(mode="off", k=2)  # greedy, no draft model

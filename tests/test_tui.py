@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from rich.style import Style
 from textual.color import Color
 from textual.widgets import Input
 
@@ -20,7 +21,7 @@ from specchat.engine.sampling import SamplingParams
 from specchat.tui import app as app_module
 from specchat.tui.app import SpecChatApp, run_chat
 from specchat.tui.log import LogScreen
-from specchat.tui.themes import BUILTIN_THEMES, load_themes
+from specchat.tui.themes import BUILTIN_THEMES, DEFAULT_THEME, load_themes, rich_token_styles
 from specchat.tui.widgets import Conversation, Inspector, Legend, ReplyView, StatsPanel
 from helpers import ACCEPT_PATTERN, REPLY, VOCAB, WRONG, FakeSession
 
@@ -396,6 +397,17 @@ def test_builtin_themes_load_from_the_package():
         assert {f"token-{k}" for k in ("accepted", "resampled", "bonus", "target", "rejected")} <= set(theme.variables)
     package_dir = Path(app_module.__file__).resolve().parent / "themes"
     assert (package_dir / "dark.toml").is_file()  # what an installed wheel ships as package data
+
+
+def test_generate_colours_each_kind_as_the_chat_s_default_theme_does():
+    variables = load_themes([BUILTIN_THEMES]).themes[DEFAULT_THEME].variables
+    styles = rich_token_styles()
+    for kind in ("accepted", "resampled", "bonus"):
+        style = Style.parse(styles[kind])
+        assert style.color.triplet.hex == variables[f"token-{kind}"].lower()
+        text_style = variables[f"token-{kind}-style"]
+        assert text_style == "none" or getattr(style, text_style) is True
+    assert styles["target"] == "default"  # plain tokens keep the terminal's own colour
 
 
 # ------------------------------------------------------------------ bad input

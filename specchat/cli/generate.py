@@ -12,7 +12,6 @@ from specchat.cli.options import (INTERRUPTED, BadOption, UserError, config_summ
                                   model_options, server_options, system_option, user_errors)
 from specchat.fmt import num
 
-KIND_STYLES = {"accepted": "green", "resampled": "bold dark_orange", "bonus": "bold cyan", "target": "default"}
 KIND_LEGEND = {
     "accepted": "draft accepted",
     "resampled": "resampled (after a rejection)",
@@ -91,13 +90,16 @@ def print_stream(rounds) -> None:
     from rich.console import Console
     from rich.text import Text
 
+    from specchat.tui.themes import rich_token_styles
+
+    styles = rich_token_styles()  # the chat's default theme: the kinds look the same in both
     console = Console(highlight=False)
     console.soft_wrap = not console.is_terminal  # piped: the model's text as it is, no line breaks added
-    legend = Text("  ").join(Text(f"■ {label}", style=KIND_STYLES[kind]) for kind, label in KIND_LEGEND.items())
+    legend = Text("  ").join(Text(f"■ {label}", style=styles[kind]) for kind, label in KIND_LEGEND.items())
     console.print(legend)
     console.rule(style="dim")
     for record in rounds:
-        console.print(Text.assemble(*((t.text, KIND_STYLES[t.kind]) for t in record.tokens)), end="")
+        console.print(Text.assemble(*((t.text, styles[t.kind]) for t in record.tokens)), end="")
     console.print()
     console.rule(style="dim")
 

@@ -123,6 +123,15 @@ def theme_from_toml(text: str, default_name: str) -> Theme:
     return theme
 
 
+def rich_token_styles(name: str = DEFAULT_THEME) -> dict[str, str]:
+    """A built-in theme's token kinds as Rich styles, for output outside the app (`generate`), so the kinds look the
+    same there as in the chat. Plain target tokens keep the terminal's own colour."""
+    data = tomllib.loads((BUILTIN_THEMES / f"{name}.toml").read_text(encoding="utf-8"))
+    styles = {kind: f"{data['token-styles'].get(kind, 'none')} {colour}".removeprefix("none ")
+              for kind, colour in data["tokens"].items()}
+    return {**styles, "target": "default"}
+
+
 def load_themes(dirs: list[Path] | None = None) -> LoadedThemes:
     """Read every *.toml in the built-in dirs, then the user dir; later files replace earlier names."""
     if dirs is None:
