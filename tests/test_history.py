@@ -142,6 +142,18 @@ def test_history_lists_date_model_turns_and_first_message(data):
     assert line[:4].isdigit() and str(data / "x.json") in result.output
 
 
+def test_history_shows_a_path_model_by_its_file_name_and_keeps_the_message_readable_at_80_columns(data, monkeypatch):
+    session = FakeSession()
+    session.target.name = "/home/someone/models/very/deep/folder/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    message = "Explain how speculative decoding keeps the target's distribution exact, with an example"
+    chat(session, ConversationLog(data / "x.json"), message)
+    monkeypatch.setenv("COLUMNS", "80")
+    line = invoke("history").output.splitlines()[0]
+    name = line.split()[2]  # the file name, cut in its middle: its start and its quantisation
+    assert "/home/someone" not in line and name.startswith("qwen2") and name.endswith("k_m") and "…" in name
+    assert len(line) <= 80 and message[:25] in line
+
+
 def test_continue_without_a_saved_conversation_is_one_line(data):
     result = invoke("--continue")
     assert result.exit_code == 1 and "no saved conversation" in result.output and "Traceback" not in result.output
