@@ -51,6 +51,8 @@ class Snapshot:
     draft_len: int | None = None  # it asks for this many where its match allows, K or more (mode suffix)
     choice: str | None = None  # mode auto: the mode of its latest round
     why: str | None = None  # and why (the rates it compared)
+    standings: tuple = ()  # mode auto: its arms' rates (drafters.auto.Standing), fastest first
+    verify_steps: float | None = None  # mode auto: a full round's verify in plain steps (what a round must give)
     # per mode, the plain rounds run in-band among its rounds: its speedup compares with these (same window, same
     # load, same context lengths), not with plain rounds from another time
     plain_for: dict[str, Stats] = field(default_factory=dict)
@@ -171,6 +173,8 @@ class Conversation:
                 draft_len=controls.drafter.draft_len(controls.k) if hasattr(controls.drafter, "draft_len") else None,
                 choice=getattr(controls.drafter, "choice", None),
                 why=getattr(controls.drafter, "why", None),
+                **({"standings": controls.drafter.standings(), "verify_steps": controls.drafter.verify_steps()}
+                   if hasattr(controls.drafter, "standings") else {}),
                 **self._snapshot_extra(),
             )
 

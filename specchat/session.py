@@ -30,6 +30,8 @@ from specchat.modes import MODES, TUNABLE
 log = logging.getLogger("specchat")
 
 BASELINE_EVERY = 32  # measure_baseline(): one plain round after this many rounds of another mode
+# what building a drafter makes that takes seconds, said while it is made (Session.preparing)
+SLOW_BUILDS = {"quant": "an int8 copy of the target", "lowrank": "low-rank factors of the target's weights"}
 
 
 def drafter_options(model, mode: str, options: dict) -> dict:
@@ -127,6 +129,16 @@ class Session(Conversation):
                 options["references"] = self.saved_conversations()
             self._drafters[mode] = build_drafter(mode, self.target.model, draft_model, **options)
         return self._drafters[mode]
+
+    def preparing(self, mode: str) -> str | None:
+        """What building `mode`'s drafter will make that takes seconds, for the front ends to say while it runs;
+        None when it is built already or quick."""
+        if mode in self._drafters:
+            return None
+        if mode == "quant" and on_llama_cpp(self.target.model):
+            kind = models.QUANT_DRAFT.get(self.target.model.dtype, models.QUANT_DRAFT_DEFAULT)
+            return f"a {kind} copy of the target's file (llama.cpp's quantizer, the first time; then from the user cache)"
+        return SLOW_BUILDS.get(mode)
 
     def saved_conversations(self, budget: int = 100_000) -> list[list[int]]:
         """The user's saved conversations as this target's token ids (chat template applied), the most recent last,

@@ -447,6 +447,8 @@ async def test_keys_while_a_drafter_is_building():
         await pilot.press("f7")
         await pilot.pause()
         assert app.pending_mode == "quant" and "switching to quant" in panel_text(app)
+        # what takes the seconds is said in a notice too: the panel is hidden on a narrow terminal
+        assert [n for n in app.notices if n.startswith("Preparing")] == ["Preparing mode quant: making an int8 copy of the target…"]
         await send(pilot, "meanwhile")  # chatting goes on in the current mode while it builds
         await wait_for(pilot, lambda: not app.generating)
         assert {r.mode for r in session.turns[0].rounds} == {"off"}
@@ -458,6 +460,7 @@ async def test_keys_while_a_drafter_is_building():
         assert session.mode == "lookup" and app.pending_mode is None
         await pilot.press("f7")  # built now: switching is immediate
         await wait_for(pilot, lambda: session.mode == "quant")
+        assert sum(n.startswith("Preparing") for n in app.notices) == 1
 
 
 @pytest.mark.asyncio

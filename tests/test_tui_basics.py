@@ -227,7 +227,7 @@ async def test_export_writes_the_conversation_as_markdown_beside_json_and_csv(tm
         await pilot.pause()
     text = (tmp_path / "s.md").read_text()
     assert (tmp_path / "s.json").exists() and (tmp_path / "s.csv").exists()
-    assert text.startswith("# specchat conversation") and "fake-target" in text and "mode lookup" in text
+    assert text.startswith("# specchat conversation") and "fake-target" in text and "lookup 7 rounds" in text
     assert text.index("## System\n\nBe brief.") < text.index("## User\n\nhello there") < text.index(f"## Assistant\n\n{REPLY_TEXT.strip()}")
     assert any("s.md" in n for n in app.notices)
 

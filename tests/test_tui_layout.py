@@ -5,6 +5,7 @@ rounds however many there were."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import pytest
 from textual.widgets import Input
@@ -201,8 +202,9 @@ async def test_the_panel_says_when_the_drafter_caps_k():
 @pytest.mark.asyncio
 @pytest.mark.parametrize("size", [(160, 45), (80, 24)])
 async def test_the_panel_says_what_auto_runs_and_never_hides_approximate(size):
-    """Mode auto: the mode line names the mode it runs and the next line why; cut at a narrow panel's width, the
-    cut falls on the sampling settings, never on APPROXIMATE."""
+    """Mode auto: the mode line names the mode it runs, the next line the rule before the sampling settings (a cut
+    at a narrow panel's width never falls on APPROXIMATE), and the speedup section why auto runs it."""
+    from specchat.engine.drafters.auto import Standing
     from specchat.engine.sampling import SamplingParams
 
     app = RecordingApp(FakeSession())
@@ -211,8 +213,37 @@ async def test_the_panel_says_what_auto_runs_and_never_hides_approximate(size):
             await pilot.press("ctrl+t")
         await pilot.pause()
         app.snapshot = dataclasses.replace(app.session.snapshot(), mode="auto", choice="head", why="head 22 tok/s vs off 19",
+                                           standings=(Standing("head", 22.0, 30.0, 9), Standing("off", 19.0, None, 4)),
                                            rule="approx:0.5", exact=False, sampling=SamplingParams(0.7, top_k=40, top_p=0.9))
         app.refresh_panel(retake=False)
         await pilot.pause()
-        text = screen_text(app)
-        assert "mode auto→head" in text and "head 22 tok/s vs off 19" in text and "APPROXIMATE" in text
+        region = app.query_one(StatsPanel).region  # the panel's part of the screen: what it shows, as it wraps
+        text = " ".join(" ".join(line[region.x:region.right] for line in screen_text(app).splitlines()[region.y:region.bottom]).split())
+        assert "mode auto→head" in text and "APPROXIMATE T=0.7 top-k 40" in text.replace("=40", " 40")
+        assert "why auto runs head" in text and "head is fastest so far: 1.16× plain decoding (22 vs 19 tok/s)" in text
+
+
+@pytest.mark.parametrize("k", [4, 16])
+def test_why_auto_runs_plain_decoding_is_said_in_words_within_its_six_lines(k):
+    """Where plain decoding wins, the panel says what auto measured, what a round must give to pay on this machine
+    and what would change it, within the section's fixed 6 lines at the narrowest panel (38 columns, 36 of text)."""
+    from rich.console import Console
+
+    from specchat.conversation import Snapshot
+    from specchat.engine.drafters.auto import Standing
+    from specchat.engine.metrics import Stats
+    from specchat.engine.sampling import SamplingParams
+    from specchat.tui.widgets.panel import auto_story
+
+    arms = (Standing("off", 4.25, None, 12), Standing("draft", 3.13, 4.4, 8), Standing("quant", 2.96, 3.9, 6), Standing("head", 1.5, 5.0, 3))
+    snapshot = Snapshot(mode="auto", k=k, sampling=SamplingParams(0.7, 0, 0.9), rule="exact", exact=True, stats={}, reply=Stats(),
+                        recent=[], choice="off", why="off 4 tok/s vs draft 3", standings=arms, verify_steps=12.75)
+    story = auto_story(snapshot)
+    # tokens/s below 10 keep a decimal: a 0.74x draft no longer reads as level with plain decoding ("draft 4 vs off 4");
+    # the most an arm could reach (every draft accepted) is given where even that is below plain decoding's
+    assert story.startswith("Plain decoding is fastest here: 4.2 tok/s; draft 3.1, quant 3.0 (max 3.9), head 1.5.")
+    assert f"A {k + 1}-position verify costs 12.8 steps: a round must give 12.8+ tokens." in story
+    assert story.endswith("Repeated text or a cheaper draft would change it.")
+    console = Console(width=36, record=True, file=io.StringIO())
+    console.print(story)
+    assert len(console.export_text().splitlines()) <= 6

@@ -215,6 +215,16 @@ class Shadow:
         return matched + 1 if matched == len(self.drafts) or matched < len(self.seen) else None
 
 
+@dataclass(frozen=True)
+class Standing:
+    """One arm as the front ends show it: its rate, and the most it could reach (every draft accepted)."""
+
+    arm: str
+    per_s: float  # tokens per second of engine time
+    ceiling: float | None  # tokens per second had every draft been accepted; None before a round tells
+    rounds: int  # what the rate rests on (earlier sessions' included)
+
+
 def setting_key(params) -> str:
     """The sampling setting an arm's rate belongs to (acceptance depends on it), as saved between sessions."""
     if params is None or params.greedy:
@@ -416,6 +426,18 @@ class AutoDrafter(Drafter):
             return
         tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
         self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds, most=record.drafted + 1)
+
+    def standings(self) -> tuple[Standing, ...]:
+        """The current setting's measured arms, fastest first."""
+        arms = [Standing(arm, r.per_s, r.ceiling if math.isfinite(r.ceiling) else None, r._n)
+                for arm, r in self.rates.items() if r.rounds]
+        return tuple(sorted(arms, key=lambda a: -a.per_s))
+
+    def verify_steps(self) -> float | None:
+        """What a verify of a full round (K drafts + 1) costs in plain steps on this machine: the number of tokens
+        a round must give to pay; None until both are measured."""
+        plain, verify = self.rates.get("off"), self.verify_cost(self.k + 1) if self.k else None
+        return verify * plain.per_s if verify is not None and plain is not None and plain.per_s > 0 else None
 
     def average_verify(self, positions: int, seconds: float) -> None:
         """Fold one verify's seconds into the average for its positions (the first counts whole, then 1/8)."""

@@ -12,7 +12,7 @@ from textual.widgets import Static
 from specchat.conversation import Snapshot
 from specchat.engine.metrics import Stats, enough, measured_speedup
 from specchat.fmt import fixed as fmt
-from specchat.fmt import pct
+from specchat.fmt import pct, rate
 from specchat.modes import MODES
 from specchat.tui.keys import key_label, mode_keys
 
@@ -35,6 +35,32 @@ def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
         f"{model.tokens_per_round:.2f} tokens/round at {model.round_cost:.2f} plain steps ({1000 * step:.1f} ms) each; "
         f"a={model.acceptance:.2f} K={model.k:.3g}, i.i.d. acceptance would give {model.iid:.2f}×"
     )
+
+
+def auto_story(snapshot: Snapshot) -> str:
+    """Mode auto's choice in words: what it measured (tok/s of engine time), what a round must give to pay on this
+    machine, and, where plain decoding wins, what would change that."""
+    arms, choice, why = snapshot.standings, snapshot.choice, snapshot.why or ""
+    if not arms:
+        return "Measuring each mode for a few rounds first."
+    leader = arms[0].per_s
+
+    def figures(skip: str | None = None) -> str:
+        return ", ".join(f"{a.arm} {rate(a.per_s)}" + (f" (max {rate(a.ceiling)})" if a.ceiling is not None and a.ceiling < leader else "")
+                         for a in arms if a.arm != skip)
+
+    plain = next((a.per_s for a in arms if a.arm == "off"), None)
+    chosen = next((a.per_s for a in arms if a.arm == choice), None)
+    if why.startswith(("measuring", "re-measuring")):
+        return f"{why[0].upper()}{why[1:]}. Tok/s so far: {figures()}."
+    if choice != "off":
+        times = f": {chosen / plain:.2f}× plain decoding ({rate(chosen)} vs {rate(plain)} tok/s)" if chosen and plain else ""
+        return f"{choice} is fastest so far{times}."
+    story = f"Plain decoding is fastest here: {rate(plain)} tok/s" + (f"; {others}." if (others := figures("off")) else ".")
+    steps = snapshot.verify_steps
+    if steps is not None and steps > 1.2:
+        story += f" A {snapshot.k + 1}-position verify costs {steps:.1f} steps: a round must give {steps:.1f}+ tokens."
+    return story + " Repeated text or a cheaper draft would change it."
 
 
 def ago(seconds: float) -> str:
@@ -174,8 +200,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
     /* fixed heights: updates need no layout pass (which would re-measure everything on screen) */
     StatsPanel #mode-line { height: 2; text-wrap: nowrap; text-overflow: ellipsis; }
     StatsPanel #stats { height: 11; }
-    StatsPanel #spark { height: 1; margin-top: 1; }
-    StatsPanel #speedup { height: 5; }
+    StatsPanel #spark { height: 1; }
+    StatsPanel #speedup { height: 6; }
     /* alone on a narrow screen it has two columns (app.tcss) */
     """
 
@@ -223,14 +249,12 @@ class StatsPanel(VerticalScroll, can_focus=False):
         capped = f" (drafts ≤{snapshot.max_draft})" if snapshot.max_draft and snapshot.max_draft < snapshot.k else ""
         if snapshot.draft_len and snapshot.draft_len > snapshot.k:
             capped = f" (≤{snapshot.draft_len} on a long match)"
-        running = f"→{snapshot.choice}" if mode == "auto" and snapshot.choice else ""
-        # one line, cut at the panel's width (CSS): exact/APPROXIMATE comes before the sampling settings the cut may hide
+        auto = mode == "auto"
+        running = f"→{snapshot.choice}" if auto and snapshot.choice else ""
+        # two short lines (38 columns at least): the mode and K, then the rule and sampling (or a switch under way)
         line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
-                             (capped, "dim"), ("  ", ""), (exact, "dim"), ("  ", ""), (how, ""))
-        if pending:
-            line.append(f"\nswitching to {pending}…", style="italic")
-        elif running:
-            line.append(f"\n{snapshot.why}", style="dim")
+                             (capped, "dim"), "\n")
+        line.append_text(Text(f"switching to {pending}…", style="italic") if pending else Text.assemble((exact, "dim"), "  ", how))
         self.query_one("#mode-line", Static).update(line, layout=False)
         if running:  # the rest of the panel is about the mode auto runs now
             mode = snapshot.choice
@@ -249,10 +273,16 @@ class StatsPanel(VerticalScroll, can_focus=False):
         lines = len(positions.plain.splitlines())
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
+        self.query_one("#speedup-title", Static).update(
+            f"why auto runs {'plain decoding' if mode in ('off', 'auto') else mode}" if auto else "estimated speedup over plain")
+        if auto and mode in ("off", "auto"):  # plain decoding's speedup is 1 by definition: say why it runs instead
+            self.query_one("#speedup", Static).update(Text(auto_story(snapshot)), layout=False)
+            self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending, self.modes), layout=False)
+            return
         value, why = estimate_speedup(snapshot, mode)
         measured, plain = speedup_against_plain(snapshot, mode)
         few = not enough(stats.get(mode), plain)
-        speed = Text()
+        speed = Text(f"{auto_story(snapshot)}\n") if auto else Text()
         speed.append("–" if value is None else f"{value:.2f}×", style="dim" if few else "bold")
         speed.append(" predicted", style="dim" if few else "")
         if measured is not None and mode != "off":
@@ -262,7 +292,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
             n = stats[mode].rounds
             counts = f"{n} round{'s' if n != 1 else ''}" + (f" vs {plain.rounds} plain among them" if plain else ", no plain round among them yet")
             speed.append(f" ({counts}{', too few to go by' if few else ''})", style="dim")
-        speed.append(f"\n{why}", style="dim")
+        if not auto:  # (auto's own line takes its place)
+            speed.append(f"\n{why}", style="dim")
         if snapshot.baseline is not None:
             speed.append("\n").append_text(baseline_text(snapshot))
         self.query_one("#speedup", Static).update(speed, layout=False)
