@@ -439,6 +439,19 @@ def test_generate_summary_names_the_seed_and_k_when_they_matter(tiny, keep_threa
     assert "lookup K=4" in r.stdout and "seed=5" in r.stdout and "T=0.7" in r.stdout
 
 
+def test_generate_reports_a_long_prompt_s_reading_before_the_first_token(tiny, keep_threads, monkeypatch):
+    from specchat.engine import target
+
+    monkeypatch.setattr(target, "PREFILL_CHUNK", 4)
+    r = invoke("generate", "--prompt", "hello world " * 6, "--target", tiny, "--format", "json", "--max-new-tokens", 2, "--threads", 1)
+    assert r.exit_code == 0, r.output
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    prefill = [e for e in events if e["type"] == "prefill"]
+    total = events[-1]["prompt_tokens"]
+    assert [e["done"] for e in prefill] == list(range(4, total, 4)) and {e["total"] for e in prefill} == {total}
+    assert events.index(prefill[-1]) < next(i for i, e in enumerate(events) if e["type"] == "token")
+
+
 def test_threads_are_set_and_reported(tiny, keep_threads):
     r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--format", "json", "--max-new-tokens", 4, "--threads", 2)
     assert r.exit_code == 0, r.output

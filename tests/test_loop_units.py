@@ -33,9 +33,11 @@ class CounterState:
         self.tokens: list[int] = []
         self.verified: list[list[int]] = []
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], progress=None) -> None:
         time.sleep(0.001)  # a measurable prefill
         self.tokens = list(prompt)
+        if progress is not None:
+            progress(len(prompt), len(prompt))
 
     @staticmethod
     def logits_after(t: int) -> torch.Tensor:

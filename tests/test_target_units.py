@@ -12,6 +12,7 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 from helpers import TINY_VOCAB, tiny_llama
 from specchat.engine import smallbatch
 from specchat.engine.cache import CHUNK, KVCache
+from specchat.engine import target
 from specchat.engine.target import TargetState
 
 CLOSE = dict(rtol=1e-5, atol=1e-5)
@@ -128,6 +129,20 @@ def test_start_prefills_the_whole_prompt_and_keeps_its_last_logits(model, runner
     logits = state.verify([1, 2, 3])
     assert logits.shape == (4, TINY_VOCAB)
     torch.testing.assert_close(logits, full(model, prompt + [1, 2, 3])[-4:], **CLOSE)
+
+
+@pytest.mark.parametrize("runner", ["lean", "hf"])
+def test_a_long_prompt_is_fed_in_chunks_with_progress_and_the_same_logits(model, runner, monkeypatch):
+    monkeypatch.setattr(target, "PREFILL_CHUNK", 5)
+    state = TargetState(model, runner=runner)
+    prompt = [(7 * i) % TINY_VOCAB for i in range(12)]
+    state.start(prompt[:3])  # a cached prefix: the progress counts only what is fed after it
+    seen = []
+    fed = counting(state) if runner == "lean" else None
+    assert state.start(prompt, lambda done, total: seen.append((done, total))) == 9
+    assert seen == [(5, 9), (9, 9)] and (fed is None or fed == [5, 4])
+    torch.testing.assert_close(state.head, full(model, prompt)[-1:], **CLOSE)
+    torch.testing.assert_close(state.verify([1, 2]), full(model, prompt + [1, 2])[-3:], **CLOSE)
 
 
 @pytest.mark.parametrize("runner", ["lean", "hf"])

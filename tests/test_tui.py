@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -437,6 +438,24 @@ async def test_bad_input_is_refused_with_a_notice_and_the_conversation_kept():
         await wait_for(pilot, lambda: not app.generating)
         assert session.turns[0].stop_reason == "eos" and session.mode == "lookup"
         await wait_for(pilot, lambda: len(session.turns) == 2 and not app.generating)  # the queued message went
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompt_shows_how_far_it_has_been_read_until_the_first_token():
+    session = FakeSession(gated=True)
+    app = RecordingApp(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "a long message")
+        await pilot.pause()
+        reading = threading.Thread(target=session.controls.on_prefill, args=(2048, 5120))  # as the decoder's thread calls it
+        reading.start()
+        reading.join()
+        await wait_for(pilot, lambda: app.reply_view.status == "reading the prompt: 2,048 of 5,120 tokens…")
+        session.release(1)
+        await wait_for(pilot, lambda: app.snapshot.reply.rounds >= 1)
+        assert app.reply_view.status == ""
+        session.release(100)
+        await wait_for(pilot, lambda: not app.generating)
 
 
 @pytest.mark.asyncio

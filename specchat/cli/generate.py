@@ -35,6 +35,7 @@ def generate(prompt, raw, fmt, **opts):
     if raw and opts.get("system"):
         raise BadOption("--system needs the chat template: leave out --raw")
     session = load_session(opts, quiet=fmt == "json")
+    session.controls.on_prefill = print_prefill_json if fmt == "json" else print_prefill
     interrupted, broken = False, None
     with user_errors():
         ids = session.raw_prompt(prompt) if raw else session.chat_prompt([*session.messages, {"role": "user", "content": prompt}])
@@ -84,6 +85,18 @@ def generate(prompt, raw, fmt, **opts):
         sys.exit(INTERRUPTED)
     if broken is not None:
         raise UserError(f"{broken} (the partial reply is above)")
+
+
+def print_prefill(done: int, total: int) -> None:
+    """A long prompt's reading, on one line of stderr that the stream then replaces (on a terminal only)."""
+    if sys.stderr.isatty():
+        line = f"reading the prompt: {done:,} of {total:,} tokens…" if done < total else ""
+        print(f"\r\x1b[2K{line}", end="", file=sys.stderr, flush=True)
+
+
+def print_prefill_json(done: int, total: int) -> None:
+    if done < total:  # (the first token follows the last chunk)
+        print(json.dumps({"type": "prefill", "done": done, "total": total}), flush=True)
 
 
 def print_stream(rounds) -> None:

@@ -57,6 +57,8 @@ class Controls:
     # called every round with (emitted ids, p [K+1, V], q [K, V]): verify's draft-direction test reads the full
     # distributions there; None for everyone else (the loop then spends nothing on it)
     on_probs: Callable[[list[int], torch.Tensor, torch.Tensor], None] | None = None
+    # called as a long prompt is read, (positions fed, positions to feed): the front ends show the prefill's progress
+    on_prefill: Callable[[int, int], None] | None = None
 
     @property
     def mode(self) -> str:
@@ -96,7 +98,7 @@ def generate(
     Stop iterating to cancel: the state stays consistent after every round.
     """
     t_prefill = clock(state.device)
-    state.start(prompt)
+    state.start(prompt, controls.on_prefill)
     prefill_s = clock(state.device) - t_prefill
     limit = max_new_tokens
     if state.context_len is not None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specchat.engine.cache import CHUNK, common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine import smallbatch
 from specchat.engine.runner import Runner, lean_runner
+
+
+PREFILL_CHUNK = 256  # positions a prefill feeds per forward (progress between them; a chunk's activations in memory)
 
 
 class TargetState:
@@ -88,10 +93,11 @@ class TargetState:
         crop_to(self.cache, length)
         self.known = min(self.known, length)
 
-    def start(self, tokens: list[int]) -> int:
-        """Make the state cover `tokens` with one forward, reusing the cached common prefix; returns
-        positions prefilled (the prompt after the reused prefix, its last token included). When only the
-        last token is missing (a prompt the cache already covers) nothing runs: it stays pending."""
+    def start(self, tokens: list[int], progress: Callable[[int, int], None] | None = None) -> int:
+        """Make the state cover `tokens`, reusing the cached common prefix; returns positions prefilled (the prompt
+        after the reused prefix, its last token included). When only the last token is missing (a prompt the cache
+        already covers) nothing runs: it stays pending. A long prompt is fed PREFILL_CHUNK positions at a time, each
+        followed by `progress(positions fed, positions to feed)`: a 20,000-character message reads for seconds."""
         if self.head is not None and tokens == self.tokens:
             return 0
         keep = max(min(common_prefix(self.tokens, tokens), len(tokens) - 1, self.past), 0)
@@ -101,7 +107,11 @@ class TargetState:
         if keep >= len(tokens) - 1:  # all cached but the last token: leave it pending, the first verify feeds it
             return 0
         try:
-            self.head = self.forward(self.tokens[keep:], keep, keep=1)  # [1, V]
+            for begin in range(keep, len(tokens), PREFILL_CHUNK):
+                end = min(begin + PREFILL_CHUNK, len(tokens))
+                self.head = self.forward(self.tokens[begin:end], begin, keep=1)  # [1, V]: the last chunk's is kept
+                if progress is not None:
+                    progress(end - keep, len(tokens) - keep)
         except BaseException:  # a failed or interrupted prefill: back to what the cache surely holds, tokens[:keep]
             self.tokens = self.tokens[: keep + 1]
             self._crop(keep)

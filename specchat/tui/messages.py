@@ -21,6 +21,14 @@ class RoundDone(Message):
         self.record, self.snapshot = record, snapshot
 
 
+class PrefillProgress(Message):
+    """Posted by the generation thread as a long prompt is read (engine.target.PREFILL_CHUNK positions at a time)."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__()
+        self.done, self.total = done, total
+
+
 class ReplyFinished(Message):
     """The reply ended (finished, stopped or failed) and the conversation was saved, or `save_error` says why not."""
 
