@@ -34,6 +34,14 @@ def rate(value: float | None) -> str:
     return MISSING if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
 
 
+def size(n: float) -> str:
+    """Bytes as the cache's sizes are said (decimal units, as the plan lines' GB): 11.2 GB, 541.6 MB, 470 B."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def shorten(text: str, width: int) -> str:
     """`text` cut in the middle to at most `width` characters: a model file's name keeps its start and its
     quantisation at the end."""

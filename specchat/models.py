@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specchat.store import atomic_path, cache_dir, models_dir, write_atomic
+from specchat.store import atomic_path, cache_dir, models_dir
+from specchat.usercache import content_key, record_source
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,28 +120,6 @@ def _cache_name(path: Path) -> str:
     return f"{path.stem}-{content_key(path)[:12]}"
 
 
-def content_key(path: Path) -> str:
-    """SHA-256 of the file's bytes, read once per path, size and modification time and remembered in the user cache.
-
-    A key of the path alone made every new virtual environment convert the default model again (a fresh pip
-    install is a new path and a new mtime): 540 MB of float32 each time, and the test suite's first run in a new
-    environment converted in two processes at once (~30 s each). Hashing reads the file once (the default model's 100 MB: a fraction of a
-    second; a 5 GB model: seconds, where its conversion takes minutes)."""
-    stat = path.stat()
-    seen = models_dir() / ".keys" / hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    try:
-        return seen.read_text().strip()
-    except OSError:
-        pass
-    with open(path, "rb") as f:
-        key = hashlib.file_digest(f, "sha256").hexdigest()
-    try:
-        write_atomic(seen, key)
-    except OSError:  # a read-only cache: hash again next time
-        pass
-    return key
-
-
 # What a GGUF's weights are stored as once dequantised for torch: the smallest type that holds them exactly. An F16
 # or BF16 file's own type; a quantised file's weights are 16-bit scales times small integers, products that need
 # up to ~17 significant bits: float32. (A float16 copy of the default Q4_1 model was half the size but another
@@ -159,6 +138,7 @@ def convert_gguf(path: Path) -> Path:
     seconds."""
     out = converted_dir(path)
     if (out / "config.json").is_file():
+        record_source(_cache_name(path), path)  # each path it serves: `specchat cache --stale` keeps it while one holds it
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
@@ -175,7 +155,27 @@ def convert_gguf(path: Path) -> Path:
     with atomic_path(out) as tmp:  # a crash mid-conversion never leaves a half-written model behind
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+    record_source(_cache_name(path), path)  # where it came from, beside it (usercache.py)
     return out
+
+
+def conversion_bytes(path: Path) -> int:
+    """About how many bytes convert_gguf(path) will write into the user cache: 0 when it was done. From the file's
+    parameter count (its size over its type's bits per weight) and STORE_DTYPE; a type gguf does not know counts
+    as 4 bits per weight dequantised to float32 (8x the file: more than any known type writes)."""
+    if (converted_dir(path) / "config.json").is_file():
+        return 0
+    file_type = gguf_file_type(path)
+    size = path.stat().st_size
+    bits = gguf_bits_per_weight(file_type)
+    if bits is None:
+        return size * 8
+    return int(size * 8 / bits * STORE_DTYPE.get(file_type, torch.float32).itemsize)
+
+
+# A start that would write more than this into the user cache (GGUF conversions for torch) asks first, or needs --yes
+# (cli/options.ask_before_writing): a Qwen2.5-Coder 1.5B + 0.5B pair in Q4_K_M wrote ~11 GB unasked (issue 54)
+CONSENT_BYTES = 1e9
 
 
 def conversion_plan(path: Path) -> str | None:
@@ -274,9 +274,11 @@ def gguf_tokenizer(path: Path):
 
     converted = converted_dir(path)
     if (converted / "tokenizer_config.json").is_file():  # a torch-engine conversion of the same file has it
+        record_source(_cache_name(path), path)
         return AutoTokenizer.from_pretrained(converted)
     out = models_dir() / f"{_cache_name(path)}-tokenizer"
     if (out / "tokenizer_config.json").is_file():
+        record_source(_cache_name(path), path)
         return AutoTokenizer.from_pretrained(out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -286,6 +288,7 @@ def gguf_tokenizer(path: Path):
         raise ModelError(f"{path} is not a GGUF model transformers can read ({type(e).__name__}: {_first_line(e)})") from e
     with atomic_path(out) as tmp:
         tokenizer.save_pretrained(tmp)
+    record_source(_cache_name(path), path)
     return tokenizer
 
 
@@ -320,6 +323,7 @@ def quantized_gguf(path: Path, file_type: str) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out) as tmp:
             quantize(path, tmp, file_type)
+    record_source(_cache_name(path), path)
     return out
 
 

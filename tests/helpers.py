@@ -548,9 +548,11 @@ def _hf_rope_to_gguf(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, *, eos_id: int | None = None) -> Path:
+def write_gguf(model, path: Path, *, eos_id: int | None = None, readable: bool = False) -> Path:
     """Write a transformers Llama (tiny_llama) as a float32 GGUF file llama.cpp loads, with a vocabulary of one
-    placeholder string per id (the tests feed ids, never text). llama.cpp's logits for it match the torch model's."""
+    placeholder string per id (the tests feed ids, never text). llama.cpp's logits for it match the torch model's.
+    `readable`: a vocabulary transformers' GGUF reader also takes (letters and one merge of two of them), so the
+    file converts for torch (models.convert_gguf) in a fraction of a second."""
     import gguf
 
     c = model.config
@@ -568,9 +570,10 @@ def write_gguf(model, path: Path, *, eos_id: int | None = None) -> Path:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    letters = [chr(ord("a") + i) for i in range(c.vocab_size - 1)] + ["ab"]
+    writer.add_token_list(letters if readable else [f"t{i}" for i in range(c.vocab_size)])
     writer.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
-    writer.add_token_merges(["t1 t2"])  # llama.cpp requires the key; the tests never tokenise text
+    writer.add_token_merges(["a b"] if readable else ["t1 t2"])  # llama.cpp requires the key; the tests never tokenise text
     if eos_id is not None:
         writer.add_eos_token_id(eos_id)
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])

@@ -14,6 +14,7 @@ import click
 
 from specchat import __version__, crash_guard
 from specchat.cli.bench import bench
+from specchat.cli.cache import cache
 from specchat.cli.generate import generate
 from specchat.cli.history import history
 from specchat.cli.options import (INTERRUPTED, BadOption, UserError, generation_options, load_session, model_options,
@@ -142,5 +143,5 @@ def resume_latest():
         raise UserError(f"--continue: {e}") from None
 
 
-for command in (generate, verify, tune, bench, train_head, history):
+for command in (generate, verify, tune, bench, train_head, history, cache):
     main.add_command(command)

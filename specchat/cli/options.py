@@ -33,6 +33,13 @@ class BadOption(UserError):
     exit_code = 2
 
 
+class Declined(UserError):
+    """The user answered no to a first start's conversion: one line, exit status 1, nothing converted."""
+
+    def show(self, file=None) -> None:
+        click.echo(f"specchat: {self.format_message()}", err=True)
+
+
 INTERRUPTED = 130  # the exit status after Ctrl+C (128 + SIGINT, as shells report it)
 
 
@@ -97,6 +104,10 @@ def _model_options(f, *, draft: bool):
         click.option("--target", metavar="MODEL", help="HF model id (local cache), directory, or .gguf file. Default: embedded SmolLM2-135M-Instruct."),
         *([click.option("--draft", metavar="MODEL", help="Draft model for mode 'draft' (must share the target's tokenizer).")] if draft else []),
         click.option("--download", is_flag=True, help="Let a Hugging Face id missing from the local cache be downloaded (default: the local cache only, no network)."),
+        click.option("-y", "--yes", is_flag=True,
+                     help="Let a first start write more than 1 GB into the user cache (a GGUF converted for torch) without asking. "
+                          "Without it such a start asks [y/N] (the chat: a dialog); declining exits with status 1, nothing "
+                          "converted; with no terminal to ask, it exits with status 2. `specchat cache` lists and removes what was written."),
         click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
         *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp"]), default="auto", show_default=True,
                         help="What runs the models: llama.cpp (GGUF files on the CPU) or torch. auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed.")]
@@ -253,9 +264,46 @@ def preflight(opts: dict) -> None:
                                 f"fetch it from the Hub, or pass a local directory or .gguf file")
 
 
+def can_ask_on_terminal() -> bool:
+    """Whether a question can be put to the user on this terminal (stdin and stderr both one)."""
+    return sys.stdin is not None and sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def ask_before_writing(opts: dict, progress, paths: list[Path]) -> None:
+    """A start on torch that would convert GGUF files into more than models.CONSENT_BYTES of the user cache goes on
+    only with --yes or the user's yes: `progress.confirm(question)` where it has one (the chat's dialog), else
+    [y/N] on a terminal. No means Declined (exit status 1); no way to ask means BadOption (2), naming --yes."""
+    from specchat import models
+    from specchat.fmt import size
+
+    plans: dict[Path, tuple[Path, int]] = {}  # one conversion per content, however many paths name it
+    for path in paths:
+        if path.is_file() and (n := models.conversion_bytes(path)):
+            plans.setdefault(models.converted_dir(path), (path, n))
+    total = sum(n for _, n in plans.values())
+    if total <= models.CONSENT_BYTES or opts.get("yes"):
+        return
+    what = " and ".join(path.name for path, _ in plans.values())
+    writes = f"writing about {size(total)} into {models.models_dir()}"
+    confirm = getattr(progress, "confirm", None)
+    if confirm is None and can_ask_on_terminal():
+        def confirm(question):
+            try:
+                return click.confirm(question, default=False, err=True)
+            except click.Abort:  # Ctrl+C or Ctrl+D at the prompt: as Ctrl+C anywhere (one line, status 130)
+                raise KeyboardInterrupt from None
+    if confirm is None:
+        raise BadOption(f"this first start on torch converts {what} once, {writes}: pass --yes to allow it")
+    plan = "\n".join((models.conversion_plan(path) or path.name).removesuffix("...") + "." for path, _ in plans.values())
+    if not confirm(f"{plan}\nThis first start writes about {size(total)} into the user cache. Go ahead?"):
+        raise Declined("declined: nothing converted (--yes skips the question; `specchat cache` lists what the cache holds)")
+
+
 def load_models(opts: dict, progress):
     """Target and draft (or None) from the model options, each stage shown by `progress.status(text)` (a Rich
-    Console on stderr, or the chat's own display): (target, draft, device, dtype)."""
+    Console on stderr, or the chat's own display): (target, draft, device, dtype). A start that would convert more
+    than models.CONSENT_BYTES asks first (ask_before_writing), through `progress.confirm(question) -> bool` where
+    `progress` has one."""
     hub_environment(opts)
     if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
@@ -264,6 +312,11 @@ def load_models(opts: dict, progress):
                                  load_model, load_tokenizer, pick_device, pick_dtype, pick_engine, tokenizer_cached)
 
     specs = [opts["target"], *([opts["draft"]] if opts.get("draft") else [])]
+    device = pick_device(opts["device"])
+    dtype = pick_dtype(opts["dtype"], device)
+    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
+    if engine == "torch":  # before anything is converted or compiled: a start that writes gigabytes asks first
+        ask_before_writing(opts, progress, [default_gguf() if spec is None else Path(spec).expanduser() for spec in specs if is_gguf(spec)])
     tokenizers = [None, None]
     cached = all(tokenizer_cached(spec) for spec in specs)
     once = "" if cached else " (first start: converting the GGUF tokenizers once into the user cache, tens of seconds)"
@@ -274,9 +327,6 @@ def load_models(opts: dict, progress):
         once = ""
         if None not in tokenizers:
             check_same_vocab(opts["target"] or "SmolLM2-135M-Instruct (default)", tokenizers[0], opts["draft"], tokenizers[1])
-    device = pick_device(opts["device"])
-    dtype = pick_dtype(opts["dtype"], device)
-    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
     kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
     once = once if engine == "llama.cpp" else ""  # torch takes the tokenizer from the GGUF's conversion below

@@ -32,13 +32,15 @@ from textual.worker import get_current_worker
 from specchat.conversation import PromptTooLong
 from specchat.engine.errors import ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
+from specchat.fmt import shorten
 from specchat.history import ConversationLog, conversations, conversations_dir
 from specchat.modes import MODES
+from specchat.tui.consent import ConsentScreen
 from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
 from specchat.tui.keys import ACTION_KEYS, MAX_MODES, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
-from specchat.tui.messages import LoadStage, LogLine, ModeReady, ReplyFinished, RoundDone, SessionLoaded
+from specchat.tui.messages import LoadStage, LogLine, ModeReady, PrefillProgress, ReplyFinished, RoundDone, SessionLoaded
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import (Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StartupView, StatsPanel,
@@ -71,6 +73,33 @@ class LoadProgress:
         start = time.perf_counter()
         yield
         self.app.post_message(LoadStage(text, time.perf_counter() - start))
+
+    def confirm(self, question: str) -> bool:
+        """Ask in a dialog (ConsentScreen) and wait for the answer, from the loading thread: a first start that would
+        write gigabytes into the cache (cli/options.ask_before_writing). ctrl+q quits meanwhile, as while loading."""
+        answered, answer = threading.Event(), []
+
+        def done(yes: bool | None) -> None:
+            answer.append(bool(yes))
+            answered.set()
+
+        self.app.call_from_thread(self.app.push_screen, ConsentScreen(question), done)
+        answered.wait()
+        return answer[0]
+
+
+def fit_names(names: list[str], width: int, joiner: str = " + ") -> str:
+    """One or two names joined, each cut in the middle to fit `width` together: the second (a draft model) gets at
+    most a third and what the first leaves; with less than 12 characters left it is just "draft"."""
+    if len(joiner.join(names)) <= width:
+        return joiner.join(names)
+    if len(names) == 1:
+        return shorten(names[0], max(width, 8))
+    first = max(8, width - len(joiner) - min(len(names[1]), max(12, (width - len(joiner)) // 3)))
+    second = width - len(joiner) - min(first, len(names[0]))
+    if second < 12:
+        return shorten(names[0], max(8, width - len(joiner) - 5)) + joiner + "draft"
+    return shorten(names[0], first) + joiner + shorten(names[1], second)
 
 
 class SpecChatApp(App):
@@ -152,22 +181,31 @@ class SpecChatApp(App):
         except ModeUnavailable:
             pass
         self.snapshot = session.snapshot()
+        # a long prompt reads for seconds before the first token: the reply says how far (posted from its thread)
+        session.controls.on_prefill = lambda done, total: self.post_message(PrefillProgress(done, total))
         self.startup_notices += list(getattr(session, "notices", []))
         self.sub_title = self.title_line()
 
     def title_line(self) -> str:
         """The header's second line: what runs the reply (the server configuration of a remote session), and how
-        it samples."""
+        it samples. The settings always show; the names are cut in the middle to the width that is left."""
         session = self.session
         s = session.controls.sampling
         sampling = "greedy" if s.greedy else f"T={s.temperature:g}" + (f" top-k {s.top_k}" if s.top_k else "") + (
             f" top-p {s.top_p:g}" if s.top_p < 1 else "")
+        # the header centres "title — subtitle" between its icon and the space on its right (8 and 10 columns)
+        room = max(self.size.width, 40) - 18 - len(f"{self.title} — ")
         if self.remote:
-            return f"{session.server.label} · {session.server.url} · {sampling}"
-        draft = f" + {Path(session.draft.name).name}" if session.draft is not None else ""
+            return f"{fit_names([session.server.label, session.server.url], room - len(sampling) - 3, ' · ')} · {sampling}"
         kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
-        where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
-        return f"{Path(session.target.name).name}{draft}" + (f" · {where}" if where else "") + f" · {sampling}"
+        settings = " · ".join(x for x in (" ".join(x for x in (session.device_label, session.dtype_label, kernel) if x), sampling) if x)
+        # a GGUF file's name without its suffix: the type (Q4_K_M) says it
+        names = [Path(m.name).name.removesuffix(".gguf") for m in (session.target, session.draft) if m is not None]
+        return f"{fit_names(names, room - len(settings) - 3)} · {settings}"
+
+    def on_resize(self) -> None:
+        if self.session is not None:
+            self.sub_title = self.title_line()
 
     # ------------------------------------------------------------------ setup
     def _setup_themes(self, name: str | None, dirs: list[Path] | None) -> None:
@@ -431,6 +469,10 @@ class SpecChatApp(App):
         if self._panel_timer is None:
             self._panel_timer = self.set_timer(PANEL_INTERVAL_S, lambda: self.refresh_panel(retake=False))
 
+    def on_prefill_progress(self, message: PrefillProgress) -> None:
+        if self.reply_view is not None and self.generating and message.done < message.total:
+            self.reply_view.status = f"reading the prompt: {message.done:,} of {message.total:,} tokens…"
+
     def redraw_reply(self) -> None:
         self._reply_timer = None
         if self.reply_view is not None:
@@ -505,6 +547,9 @@ class SpecChatApp(App):
             return
         self.pending_mode = mode
         self.refresh_panel()
+        making = self.session.preparing(mode) if hasattr(self.session, "preparing") else None
+        if making:  # seconds of work: say what, also where the panel is hidden (narrow terminals)
+            self.notify(f"Preparing mode {mode}: making {making}…", timeout=8)
         self.build_mode(mode)
 
     @work(thread=True, exclusive=True, group="mode")
