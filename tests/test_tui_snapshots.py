@@ -1,5 +1,5 @@
-"""SVG snapshots of the main screen mid-reply, per theme at 80x24 and 160x45, and of the panel and the help alone
-at 80x24 (pytest-textual-snapshot).
+"""SVG snapshots of the main screen mid-reply, per theme at 80x24 and 160x45 and with long model paths at 80x24 and
+120x40, and of the panel and the help alone at 80x24 (pytest-textual-snapshot).
 
 Update after an intended visual change with: pytest tests/test_tui_snapshots.py --snapshot-update
 """
@@ -40,6 +40,22 @@ async def mid_reply(pilot) -> None:
 def test_main_screen_mid_reply(snap_compare, theme, size):
     app = SpecChatApp(FakeSession(gated=True), theme=theme)
     assert snap_compare(app, terminal_size=size, run_before=mid_reply)
+
+
+def long_paths_session() -> FakeSession:
+    """A user's GGUF pair given as long paths, sampling as the chat does: the header must keep the settings."""
+    from specchat.engine.sampling import SamplingParams
+
+    session = FakeSession(gated=True, draft_name="/home/someone/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    session.target.name = "/home/someone/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    session.dtype_label = "Q4_K_M"
+    session.controls.sampling = SamplingParams(0.7, 0, 0.9)
+    return session
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_main_screen_with_long_model_paths(snap_compare, size):
+    assert snap_compare(SpecChatApp(long_paths_session(), theme="dark"), terminal_size=size, run_before=mid_reply)
 
 
 async def panel_view(pilot) -> None:

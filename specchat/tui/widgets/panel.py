@@ -83,9 +83,9 @@ def sampling_text(snapshot: Snapshot) -> str:
     sampling = snapshot.sampling
     how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
     if not sampling.greedy and sampling.top_k:
-        how += f" top-k={sampling.top_k}"
+        how += f" top-k {sampling.top_k}"
     if not sampling.greedy and sampling.top_p < 1:
-        how += f" top-p={sampling.top_p:g}"
+        how += f" top-p {sampling.top_p:g}"
     return how
 
 
