@@ -338,7 +338,7 @@ class EveryRound(AutoDrafter):
     """auto with the choice replaced by a rotation on the length so far: the mode changes from round to round
     (suffix only where it has a match), and every draw from the prompt starts with the last candidate."""
 
-    def choose(self, tokens):
+    def choose(self, tokens, prefilled=False):
         arms = [arm for arm, mode in self.arm_mode.items() if mode != "suffix"] + [a for a in [self.match_arm(tokens)] if a]
         return arms[(len(tokens) - len(PROMPT) - 1) % len(arms)], "rotation"
 

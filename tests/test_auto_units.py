@@ -321,6 +321,34 @@ def test_each_eligible_arm_is_measured_min_rounds_times_first():
     assert auto.choose([1]) == ("draft", "measuring every mode first")
 
 
+def test_after_a_prefill_the_warm_up_gives_the_round_to_a_drafting_arm_whose_round_counts():
+    """Round 0's token comes with the prefill: plain decoding's round 0 is free and not counted, so spending the
+    warm-up's round on it measured nothing (a session of short replies stayed in plain decoding's warm-up)."""
+    auto = auto_with("head", "quant")  # head catches up on a cache of its own: its first round is not counted either
+    assert auto.choose([1], prefilled=True) == ("quant", "measuring every mode first")
+    assert auto.choose([1], prefilled=False) == ("off", "measuring every mode first")
+    auto.ran = "head"  # head ran last: its cache is in step, its round counts
+    assert auto.choose([1], prefilled=True)[0] == "head"
+    auto.rates["head"], auto.rates["quant"] = rate(50.0, rounds=2), rate(60.0, rounds=2)
+    assert auto.choose([1], prefilled=True)[0] == "off"  # only plain decoding still needs rounds: as before
+    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2], head=object()), GREEDY)  # a TargetState right after start()
+    assert drafter.name == "off" and auto.why == "measuring every mode first"
+
+
+def test_a_session_of_two_token_replies_leaves_the_warm_up_in_two_replies():
+    """Each reply: round 0 after the prefill, then one plain step (no room for drafts before the budget's end).
+    Round 0 given to plain decoding, uncounted, took a third reply."""
+    auto = auto_with("quant")
+    for reply in range(2):
+        state = SimpleNamespace(tokens=[1] * (10 * reply + 5), head=object())
+        mode = auto.for_round(state, T1).name
+        auto.observe(record(mode, drafted=1 if mode != "off" else 0, index=0, tokens=(0,), expected=1.5, draft_len=1))
+        state.head = None
+        mode = auto.for_round(state, T1).name
+        auto.observe(record(mode, drafted=0, index=1, tokens=(0,), expected=1.0, draft_len=0))
+    assert auto.rates["off"].rounds >= 2 and auto.rates["quant"].rounds >= 2  # every candidate measured: warm-up over
+
+
 def test_an_unmatched_suffix_arm_is_not_eligible_and_a_matched_one_is():
     suffix = Suffix(0)
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=200.0)

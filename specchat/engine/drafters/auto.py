@@ -316,7 +316,9 @@ class AutoDrafter(Drafter):
         if len(state.tokens) != self.next_position:  # a new prompt, or a rewind: what follows the shadows is unknown
             self.shadows = []
         self.next_position = len(state.tokens)
-        self.arm, self.why = self.choose(state.tokens)
+        # right after a prefill (round 0) the pending token's logits came with it: plain decoding's round is free and
+        # measures nothing, a drafting round's verify is a real step
+        self.arm, self.why = self.choose(state.tokens, prefilled=getattr(state, "head", None) is not None)
         self.choice = self.arm_mode[self.arm]
         if self.matched is not None and self.choice != "suffix" and self.k > 0:
             suffix = self.candidates["suffix"]
@@ -331,8 +333,8 @@ class AutoDrafter(Drafter):
         length = suffix.match_length(tokens) if suffix is not None else 0
         return next((label for shortest, label in MATCH_ARMS if length >= shortest), None) if length else None
 
-    def choose(self, tokens: list[int]) -> tuple[str, str]:
-        """The arm for the next round and why, from the rates so far."""
+    def choose(self, tokens: list[int], prefilled: bool = False) -> tuple[str, str]:
+        """The arm for the next round and why, from the rates so far. `prefilled`: the round follows a prefill."""
         rates = self.rates
         self.matched = matched = self.match_arm(tokens)
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "suffix" or arm == matched]
@@ -346,9 +348,11 @@ class AutoDrafter(Drafter):
         # only when the leader's rate falls below its ceiling (a change of load)
         run_to_measure = [arm for arm in eligible if not (shadowed and self.arm_mode[arm] == "suffix")
                           and (arm == best or rates[arm].ceiling >= rates[best].per_s)]
-        for arm in run_to_measure:
-            if rates[arm].rounds < MIN_ROUNDS:
-                return arm, "measuring every mode first"
+        warming = [arm for arm in run_to_measure if rates[arm].rounds < MIN_ROUNDS]
+        if warming:  # after a prefill, an arm whose round then counts: one that drafts, on a cache it need not catch up
+            counted = [arm for arm in warming if self.arm_mode[arm] != "off" and (
+                not getattr(self.candidates[self.arm_mode[arm]], "catches_up", False) or self.arm_mode[arm] == self.ran)]
+            return (counted[0] if prefilled and counted else warming[0]), "measuring every mode first"
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
         if self.caught_up in eligible and self.caught_up != best:
             return self.caught_up, f"re-measuring {self.caught_up}"  # the round that counts, after catching up
