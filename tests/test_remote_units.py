@@ -446,6 +446,28 @@ def test_reconciliation_compare():
     assert remote.Reconciliation(1, 0, 0, None, None, None).compare().ok
 
 
+def test_a_server_count_of_zero_against_steps_that_drafted_is_flagged():
+    """0 is a count the server sent, not a missing one: a truthiness test in place of `is not None` let a server that
+    reported 0 drafted or 0 completion tokens pass against steps that drafted and emitted."""
+    rec = remote.Reconciliation(5, 3, 2, 0, 0, 0).compare(("completion_tokens", 5, 0))
+    assert rec.problems == ["tokens: the steps give 5, the server counted 0", "drafted: the steps give 3, the server counted 0",
+                            "accepted: the steps give 2, the server counted 0", "completion_tokens: the steps give 5, the server counted 0"]
+    steps = remote.LlamaServerSteps("m", 0.0)  # llama-server: a drafting step, then final counters that say 0 drafted
+    feed_all(steps, [chunk(1), chunk(2, 2, 1), chunk(3, 2, 1), finish_chunk(),
+                     {"choices": [], "usage": {"completion_tokens": 0}, "timings": {"predicted_n": 3, "draft_n": 0, "draft_n_accepted": 0}}])
+    rec = steps.reconciliation()
+    assert rec.drafted == 2 and not rec.ok
+    assert "drafted: the steps give 2, the server counted 0" in rec.problems
+    assert "completion_tokens: the steps give 3, the server counted 0" in rec.problems
+    steps = remote.VllmSteps("m", 0.0, 3)  # vLLM: a step of 4 tokens, then a usage chunk that counts none
+    steps.feed(1.0, vchunk([1]))
+    steps.feed(2.0, vchunk([2, 3, 4, 5], "t", finish="stop"))
+    steps.feed(3.0, {"choices": [], "usage": {"completion_tokens": 0}})
+    steps.finish(4.0)
+    rec = steps.reconciliation()
+    assert "tokens: the steps give 5, the server counted 0" in rec.problems and not rec.ok
+
+
 # ---------------------------------------------------------------- llama-server: the counters, chunk by chunk
 
 

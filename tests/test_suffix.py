@@ -112,6 +112,18 @@ def test_the_confidence_threshold_stops_at_a_rare_branch():
     assert drafts(d, tokens) == [3] and d.confidence == 1.0
 
 
+def test_a_saved_sequence_that_ends_after_the_match_counts_against_the_draft_s_confidence():
+    """Where a saved conversation ended right after the match, that ending is one of the continuations seen: it
+    weighs in the confidence (count / all continuations' counts) though it is never drafted; a draft that reaches
+    a sequence's end stops there."""
+    corpus = [[9, 5, 6, 7, 8, 4], [9, 5, 6, 7]]  # "5 6 7" went on with 8 once, and ended a sequence once
+    d = SuffixDrafter(references=corpus, min_confidence=0.1, alpha=4)
+    assert drafts(d, [1, 5, 6, 7]) == [8, 4] and d.confidence == pytest.approx(0.5)  # 1/2 * 1 (then the end)
+    assert drafts(SuffixDrafter(references=corpus, min_confidence=0.6, alpha=4), [1, 5, 6, 7]) == []  # 1/2 < 0.6
+    d = SuffixDrafter(references=[[9, 5, 6, 7, 8]], min_confidence=0.1, alpha=4)
+    assert drafts(d, [1, 5, 6, 7]) == [8] and d.confidence == 1.0  # the sequence's end stops the draft, nothing crosses it
+
+
 def test_a_draft_stops_below_the_threshold_not_at_it():
     tokens = [1, 2, 3, 10, 1, 2, 3, 11, 1, 2, 3, 12, 1, 2, 3, 13, 1, 2, 3, 14, 1, 2]  # "14" has confidence exactly 0.2
     assert drafts(SuffixDrafter(min_confidence=0.2, alpha=4), tokens) == [3, 14, 1, 2]
