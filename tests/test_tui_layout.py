@@ -247,3 +247,27 @@ def test_why_auto_runs_plain_decoding_is_said_in_words_within_its_six_lines(k):
     console = Console(width=36, record=True, file=io.StringIO())
     console.print(story)
     assert len(console.export_text().splitlines()) <= 6
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size, names", [
+    ((80, 24), ["SmolLM2-135M-Instruct · Q4_1 · T=0.7 top-p 0.9"]),
+    ((120, 40), ["SmolLM2-135M-Instruct · cpu Q4_1 llama.cpp · T=0.7 top-p 0.9"]),
+])
+async def test_the_header_keeps_the_sampling_and_the_default_model_s_whole_name(size, names):
+    """The sampling settings always show; where the room is short, the device and kernel go before the model's name
+    is cut (at 80 columns the header lost the sampling settings, at 120 a path model's showed "cpu Q4…")."""
+    from types import SimpleNamespace
+
+    from specchat.engine.sampling import SamplingParams
+
+    session = FakeSession()
+    session.target.name, session.dtype_label = "SmolLM2-135M-Instruct", "Q4_1"
+    session.state = SimpleNamespace(context_len=4096, kernel="llama.cpp")
+    session.controls.sampling = SamplingParams(0.7, 0, 0.9)
+    app = RecordingApp(session)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        header = screen_text(app).splitlines()[0]
+        assert all(name in header for name in names), header
+        assert "…" not in header

@@ -90,15 +90,16 @@ class LoadProgress:
 
 def fit_names(names: list[str], width: int, joiner: str = " + ") -> str:
     """One or two names joined, each cut in the middle to fit `width` together: the second (a draft model) gets at
-    most a third and what the first leaves; with less than 12 characters left it is just "draft"."""
+    most a third and what the first leaves; where the first would keep less than 16 characters, the second is just
+    "draft"."""
     if len(joiner.join(names)) <= width:
         return joiner.join(names)
     if len(names) == 1:
         return shorten(names[0], max(width, 8))
-    first = max(8, width - len(joiner) - min(len(names[1]), max(12, (width - len(joiner)) // 3)))
+    first = width - len(joiner) - min(len(names[1]), max(12, (width - len(joiner)) // 3))
+    if first < 16:
+        return shorten(names[0], max(8, width - len(joiner) - len("draft"))) + joiner + "draft"
     second = width - len(joiner) - min(first, len(names[0]))
-    if second < 12:
-        return shorten(names[0], max(8, width - len(joiner) - 5)) + joiner + "draft"
     return shorten(names[0], first) + joiner + shorten(names[1], second)
 
 
@@ -193,14 +194,17 @@ class SpecChatApp(App):
         s = session.controls.sampling
         sampling = "greedy" if s.greedy else f"T={s.temperature:g}" + (f" top-k {s.top_k}" if s.top_k else "") + (
             f" top-p {s.top_p:g}" if s.top_p < 1 else "")
-        # the header centres "title — subtitle" between its icon and the space on its right (8 and 10 columns)
+        # the header shows "title — subtitle" between its icon (8 columns) and the space on its right (10)
         room = max(self.size.width, 40) - 18 - len(f"{self.title} — ")
         if self.remote:
             return f"{fit_names([session.server.label, session.server.url], room - len(sampling) - 3, ' · ')} · {sampling}"
         kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
-        settings = " · ".join(x for x in (" ".join(x for x in (session.device_label, session.dtype_label, kernel) if x), sampling) if x)
         # a GGUF file's name without its suffix: the type (Q4_K_M) says it
         names = [Path(m.name).name.removesuffix(".gguf") for m in (session.target, session.draft) if m is not None]
+        where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
+        if len(" + ".join(names)) + len(where) + len(sampling) + 6 > room:  # narrow: the weights' type alone
+            where = session.dtype_label
+        settings = " · ".join(x for x in (where, sampling) if x)
         return f"{fit_names(names, room - len(settings) - 3)} · {settings}"
 
     def on_resize(self) -> None:
