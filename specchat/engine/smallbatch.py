@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ _fn = None  # its smallbatch_linear
 _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
 _fn_layer = None  # and smallbatch_layer (a whole decoder layer)
+_fn_gguf = None  # and gguf_linear (GGUFWeights: a GGUF file's own blocks)
 _lock = threading.Lock()
 
 
@@ -91,7 +93,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_gguf
     with _lock:
         if _fn is None:
             try:
@@ -110,7 +112,10 @@ def load(folder: Path) -> bool:
             layer.restype = ctypes.c_int
             ptr, long = ctypes.c_void_p, ctypes.c_long  # L, h, S, cos, sin, keys, values, capacity, past, threads
             layer.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, ptr, ptr, ptr, ptr, long, long, ctypes.c_int]
-            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer = lib, fns, layer
+            gguf = lib.gguf_linear
+            gguf.restype = ctypes.c_int  # x, w, type, y, S, N, D, threads, reference
+            gguf.argtypes = [ptr, ptr, ctypes.c_int, ptr, long, long, long, ctypes.c_int, ctypes.c_int]
+            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_gguf = lib, fns, layer, gguf
     return True
 
 
@@ -214,6 +219,62 @@ def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tenso
     else:
         fn(x2.data_ptr(), w.data_ptr(), bias, y.data_ptr(), S, N, D, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------- a GGUF file's own blocks
+
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # what gguf_linear multiplies (ggml's type ids)
+
+
+@dataclass(frozen=True)
+class GGUFWeights:
+    """A matrix w [N, D] as a GGUF file stores it: N rows of blocks of 32 weights (Q4_0, Q4_1 or Q8_0), read in
+    place (`blocks` may be a view of the memory-mapped file): no float32 copy, 4.5-8.5 bits a weight to stream."""
+
+    blocks: torch.Tensor  # [N, D / 32 * block bytes] uint8
+    type: str
+    shape: tuple[int, int]  # (N, D)
+
+    @staticmethod
+    def of(tensor) -> "GGUFWeights":
+        """From a gguf.GGUFReader tensor (its data is [N, row bytes] uint8, memory-mapped)."""
+        import numpy as np
+
+        data = np.asarray(tensor.data)
+        n, d = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists a matrix's shape innermost first
+        with warnings.catch_warnings():  # a read-only memory map: the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(data.reshape(n, -1))
+        return GGUFWeights(blocks, tensor.tensor_type.name, (n, d))
+
+    def float(self) -> torch.Tensor:
+        """The weights dequantised by the gguf package (the reference the kernel is tested against): [N, D] float32."""
+        import gguf
+
+        data = self.blocks.numpy()
+        return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[self.type]).reshape(self.shape).copy())
+
+
+def gguf_usable(w: GGUFWeights) -> bool:
+    return _fn_gguf is not None and w.type in GGUF_TYPES and w.shape[1] % 32 == 0
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeights, reference: bool = False) -> torch.Tensor:
+    """x [S, D] float32 @ w^T -> [S, N] float32 in the kernel (x rounded to int8 per block of 32: llama.cpp's
+    arithmetic), MAX_ROWS rows at a time; `reference`: the same arithmetic in plain C, for the tests."""
+    if not gguf_usable(w):
+        raise ValueError(f"gguf_linear takes {', '.join(GGUF_TYPES)} rows of a multiple of 32 with the kernel loaded")
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [S, D]
+    N, D = w.shape
+    blocks = w.blocks.contiguous()
+    out = []
+    for rows in x2.split(MAX_ROWS):
+        y = torch.empty(rows.shape[0], N, dtype=torch.float32)
+        if _fn_gguf(rows.data_ptr(), blocks.data_ptr(), GGUF_TYPES[w.type], y.data_ptr(), rows.shape[0], N, D,
+                    torch.get_num_threads(), int(reference)) != 0:
+            raise ValueError(f"gguf_linear refused {w.type} [{N}, {D}] with {rows.shape[0]} rows")
+        out.append(y)
+    return torch.cat(out)
 
 
 # ---------------------------------------------------------------- a whole decoder layer

@@ -416,3 +416,215 @@ done:
     free(x), free(qkv), free(att), free(gu), free(act), free(y);
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+   GGUF's own blocks (issue 52): y[S, N] = x[S, D] @ w[N, D]^T where w's rows are Q4_0, Q4_1 or Q8_0 blocks of 32
+   weights exactly as the file stores them (read in place from the memory-mapped file: no float32 copy). Each row
+   of x is first rounded to int8 in blocks of 32 with a scale per block (amax / 127, as llama.cpp's q8_0/q8_1).
+   Then every weight block is decoded once into 32 bytes and multiplied into each of the S rows' int8 blocks:
+   lane l of a 256-bit vector holds the integer sum of products 4l..4l+3 (AVX-512 VNNI or AVX-VNNI dpbusd, else
+   AVX2 maddubs + madd: the same integers, no sum can saturate), scaled by d_w * d_x and fused-multiply-added
+   into that row's 8 float lanes, block after block; the lanes are summed in one fixed tree at the end. So a row's
+   result is the same whatever S, the thread count and the SIMD path; gguf_linear's `reference` runs the same
+   arithmetic in plain C (the tests compare them bit for bit). Q4_1's offset m adds m * d_x * sum(x_q) per block,
+   in block order, in both. */
+
+#include <stdlib.h>
+
+#define QK 32
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml's type ids */
+
+static inline float half_to_float(unsigned short h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    unsigned int sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 exactly */
+        float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static long block_bytes(int type) {
+    return type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : type == GGUF_Q8_0 ? 34 : 0;
+}
+
+/* One weight block: its scale d, Q4_1's offset m, and its 32 weights as bytes (Q4_1: 0..15 unsigned; Q4_0: q - 8
+   and Q8_0: q, signed). */
+static inline void decode_scalar(int type, const unsigned char *b, signed char q[QK], float *d, float *m) {
+    unsigned short h;
+    memcpy(&h, b, 2);
+    *d = half_to_float(h);
+    *m = 0.0f;
+    if (type == GGUF_Q8_0) {
+        memcpy(q, b + 2, QK);
+        return;
+    }
+    const unsigned char *qs = b + (type == GGUF_Q4_1 ? 4 : 2);
+    if (type == GGUF_Q4_1) {
+        memcpy(&h, b + 2, 2);
+        *m = half_to_float(h);
+    }
+    int shift = type == GGUF_Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; j++) {
+        q[j] = (signed char)((qs[j] & 0x0f) - shift);
+        q[j + 16] = (signed char)((qs[j] >> 4) - shift);
+    }
+}
+
+/* the 8 lanes' float sum, in the tree a 256-bit reduction takes: (l0+l4, l1+l5, l2+l6, l3+l7), then pairs */
+static inline float sum_lanes(const float a[8]) {
+    float h0 = a[0] + a[4], h1 = a[1] + a[5], h2 = a[2] + a[6], h3 = a[3] + a[7];
+    return (h0 + h2) + (h1 + h3);
+}
+
+/* x [S, D] -> int8 q [S, D], a scale per block d [S, D/32], and d * sum(q) per block sums [S, D/32] */
+static void quantize_rows(const float *x, long S, long D, signed char *q, float *d, float *sums) {
+    long nb = D / QK;
+    for (long r = 0; r < S * nb; r++) {
+        const float *v = x + r * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        int total = 0;
+        for (int j = 0; j < QK; j++) {
+            int k = (int)nearbyintf(v[j] * inv);
+            q[r * QK + j] = (signed char)k;
+            total += k;
+        }
+        d[r] = scale;
+        sums[r] = scale * (float)total;
+    }
+}
+
+#if defined(__AVX2__)
+/* lane l: the sum of products 4l..4l+3 of unsigned bytes u and signed bytes s */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i decode_simd(int type, const unsigned char *b) {
+    if (type == GGUF_Q8_0)
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    __m128i packed = _mm_loadu_si128((const __m128i *)(b + (type == GGUF_Q4_1 ? 4 : 2)));
+    __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f)), high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
+    __m256i q = _mm256_set_m128i(high, low);
+    return type == GGUF_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+}
+#endif
+
+static inline float block_scale(const unsigned char *b) {
+    unsigned short h;
+    memcpy(&h, b, 2);
+    return half_to_float(h);
+}
+
+static inline float block_offset(int type, const unsigned char *b) { /* Q4_1's m; 0 for the others */
+    return type == GGUF_Q4_1 ? block_scale(b + 2) : 0.0f;
+}
+
+#if defined(__AVX2__)
+/* rows n0..n1-1 of y for S positions, S a constant where it is inlined (gguf_rows' switch): each weight block is
+   decoded once into a register and multiplied into the S positions' accumulators, which stay in registers */
+static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_d, const float *x_sums,
+                                                                 const signed char *xq, const unsigned char *w, int type,
+                                                                 float *y, const long S, long N, long D, long n0, long n1) {
+    long nb = D / QK, bytes = block_bytes(type);
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *row = w + n * nb * bytes;
+        __m256 acc[S];
+        float offset[S];
+        for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = 0.0f;
+        for (long b = 0; b < nb; b++) {
+            const unsigned char *blk = row + b * bytes;
+            __m256i wq = decode_simd(type, blk);
+            __m256i u = type == GGUF_Q4_1 ? wq : _mm256_sign_epi8(wq, wq); /* |w|, and x takes w's sign below */
+            float dw = block_scale(blk), m = block_offset(type, blk);
+            for (long s = 0; s < S; s++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (s * nb + b) * QK));
+                __m256i lanes = dot_u8s8(u, type == GGUF_Q4_1 ? xv : _mm256_sign_epi8(xv, wq));
+                acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * x_d[s * nb + b]), acc[s]);
+                if (type == GGUF_Q4_1) offset[s] = fmaf(m, x_sums[s * nb + b], offset[s]);
+            }
+        }
+        for (long s = 0; s < S; s++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[s]);
+            y[s * N + n] = sum_lanes(lanes) + offset[s];
+        }
+    }
+}
+#endif
+
+/* The same arithmetic in plain C, position by position (the tests' reference; the path without AVX2) */
+static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w,
+                            int type, float *y, long S, long N, long D, long n0, long n1) {
+    long nb = D / QK, bytes = block_bytes(type);
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *row = w + n * nb * bytes;
+        for (long s = 0; s < S; s++) {
+            const signed char *xs = xq + s * nb * QK;
+            float acc[8] = {0}, offset = 0.0f;
+            for (long b = 0; b < nb; b++) {
+                float dw, m, scale;
+                signed char q[QK];
+                decode_scalar(type, row + b * bytes, q, &dw, &m);
+                scale = dw * x_d[s * nb + b];
+                for (int l = 0; l < 8; l++) {
+                    int lane = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++) lane += (int)q[j] * (int)xs[b * QK + j];
+                    acc[l] = fmaf((float)lane, scale, acc[l]);
+                }
+                if (type == GGUF_Q4_1) offset = fmaf(m, x_sums[s * nb + b], offset);
+            }
+            y[s * N + n] = sum_lanes(acc) + offset;
+        }
+    }
+}
+
+static void gguf_rows(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w, int type,
+                      float *y, long S, long N, long D, long n0, long n1, int reference) {
+#if defined(__AVX2__)
+    if (!reference) {
+#define GCASE(k) case k: gguf_rows_simd(x_d, x_sums, xq, w, type, y, k, N, D, n0, n1); return;
+        switch (S) {
+            GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
+            GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
+        }
+#undef GCASE
+    }
+#endif
+    gguf_rows_plain(x_d, x_sums, xq, w, type, y, S, N, D, n0, n1);
+}
+
+/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type`; 1 <= S <= 16, D a multiple of 32. 0, or -1 for a
+   type or shape it does not take. */
+int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
+                int reference) {
+    if (S < 1 || S > 16 || D % QK || !block_bytes(type)) return -1;
+    long nb = D / QK;
+    signed char *xq = malloc(S * D);
+    float *x_d = malloc(sizeof(float) * S * nb), *x_sums = malloc(sizeof(float) * S * nb);
+    if (!xq || !x_d || !x_sums) {
+        free(xq), free(x_d), free(x_sums);
+        return -1;
+    }
+    quantize_rows(x, S, D, xq, x_d, x_sums);
+    long chunk = 16; /* output rows per task: blocks of a few kB of weights */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long n0 = 0; n0 < N; n0 += chunk)
+        gguf_rows(x_d, x_sums, xq, w, type, y, S, N, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
+    free(xq), free(x_d), free(x_sums);
+    return 0;
+}

@@ -1,0 +1,93 @@
+"""The kernel that multiplies a GGUF file's own blocks (smallbatch.gguf_linear, issue 52): against a float64
+reference built from the gguf package's own dequantisation, within the bound that rounding x to int8 allows; bit for
+bit the same whatever positions are fed with a row, however many threads, and in the SIMD path as in plain C."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specchat.engine import smallbatch
+from specchat.engine.smallbatch import GGUFWeights, gguf_linear
+from specchat.models import default_gguf
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel(tmp_path_factory):
+    if not smallbatch.load(tmp_path_factory.mktemp("kernels")):
+        pytest.skip("no C compiler")
+
+
+def quantised(kind: str, n: int = 40, d: int = 96, seed: int = 0) -> GGUFWeights:
+    w = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return GGUFWeights(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind, (n, d))
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - x @ w^T| at most: x is rounded to int8 per block of 32 with step amax / 127, so each x moves by at most
+    half a step; each output moves by at most sum_j |w_j| * half the step of x_j's block. [S, N] float64."""
+    x, w = x.double(), w.double()
+    half_step = x.reshape(x.shape[0], -1, 32).abs().amax(-1) / 127 / 2  # [S, D/32]
+    per_block = w.abs().reshape(w.shape[0], -1, 32).sum(-1)  # [N, D/32]
+    return half_step @ per_block.T
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_product_is_the_dequantised_weights_times_x_within_the_rounding_of_x(kind):
+    w = quantised(kind)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ w.float().double().T  # [S, N]: the gguf package's own dequantisation, float64
+    error = (gguf_linear(x, w).double() - exact).abs()
+    assert (error <= rounding_bound(x, w.float()) + 1e-4).all()
+    assert error.max() > 0  # x really was rounded: the bound is what holds, not equality
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_row_is_the_same_bits_whatever_positions_come_with_it(kind):
+    w = quantised(kind, n=64, d=128)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    together = gguf_linear(x, w)
+    for s in (1, 2, 5, 9, 16):
+        assert torch.equal(gguf_linear(x[:s], w), together[:s])
+    assert torch.equal(torch.cat([gguf_linear(x[i : i + 1], w) for i in range(16)]), together)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_simd_path_gives_the_plain_c_path_s_bits_and_threads_change_nothing(kind, monkeypatch):
+    w = quantised(kind, n=100, d=256, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)) * 4
+    simd = gguf_linear(x, w)
+    assert torch.equal(simd, gguf_linear(x, w, reference=True))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch.equal(gguf_linear(x, w), simd)
+
+
+def test_more_than_sixteen_positions_go_sixteen_at_a_time():
+    w = quantised("Q4_1")
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(gguf_linear(x, w), torch.cat([gguf_linear(x[:16], w), gguf_linear(x[16:], w)]))
+
+
+def test_the_default_model_s_own_matrices_read_in_place_from_its_file():
+    """A Q4_1 layer matrix and the Q8_0 embedding (the tied LM head) of the embedded model, memory-mapped."""
+    reader = gguf.GGUFReader(str(default_gguf()))
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
+    for name, kind in (("blk.0.ffn_up.weight", "Q4_1"), ("token_embd.weight", "Q8_0")):
+        w = GGUFWeights.of(tensors[name])
+        assert w.type == kind and w.blocks.shape[1] == 576 // 32 * {"Q4_1": 20, "Q8_0": 34}[kind]
+        dense = w.float()
+        error = (gguf_linear(x, w).double() - x.double() @ dense.double().T).abs()
+        assert (error <= rounding_bound(x, dense) + 1e-3).all(), name
+
+
+def test_a_type_it_does_not_take_is_refused():
+    w = quantised("Q4_1")
+    with pytest.raises(ValueError):
+        gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q6_K", w.shape))
+    with pytest.raises(ValueError):
+        gguf_linear(torch.randn(1, 40), GGUFWeights(w.blocks, "Q4_1", (96, 40)))
