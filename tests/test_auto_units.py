@@ -349,6 +349,21 @@ def test_a_session_of_two_token_replies_leaves_the_warm_up_in_two_replies():
     assert auto.rates["off"].rounds >= 2 and auto.rates["quant"].rounds >= 2  # every candidate measured: warm-up over
 
 
+def test_a_round_0_that_drafted_nothing_does_not_read_as_a_measurement():
+    """One-token replies: each is a round 0 with no room for a draft, so nothing is ever measured; the reason shown
+    says so instead of "measuring" forever. A choice made from earlier rates keeps its reason."""
+    auto = auto_with("quant")
+    for reply in range(3):
+        mode = auto.for_round(SimpleNamespace(tokens=[1] * (5 + reply), head=object()), T1).name
+        auto.observe(record(mode, drafted=0, index=0, tokens=(0,), stop="max_new_tokens", draft_len=0))
+    assert mode == "quant" and not any(rate.rounds for rate in auto.rates.values())
+    assert auto.why == "measuring every mode first (quant drafted nothing in round 0: no step to time)"
+    settled(auto, off=100.0, quant=50.0)
+    auto.for_round(SimpleNamespace(tokens=[1] * 9, head=object()), T1)
+    auto.observe(record("off", drafted=0, index=0, tokens=(0,), stop="max_new_tokens", draft_len=0))
+    assert auto.why == "off 100 tok/s vs quant 50"
+
+
 def test_an_unmatched_suffix_arm_is_not_eligible_and_a_matched_one_is():
     suffix = Suffix(0)
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=200.0)

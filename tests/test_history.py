@@ -356,3 +356,4 @@ def test_a_save_that_fails_leaves_the_previous_file_intact_and_no_stray_files(da
         log.save(session)
     monkeypatch.undo()
     assert log.path.read_bytes() == before and os.listdir(data) == ["c.json"]
+    assert [t["user"] for t in history.load(log.path)["turns"]] == ["first"]  # and it still reads as the conversation

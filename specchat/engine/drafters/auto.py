@@ -420,8 +420,9 @@ class AutoDrafter(Drafter):
             if self.arm in self.rates:
                 self.rates[self.arm].catch_up_s = record.draft_s + record.verify_s  # what its next re-measurement costs more
             return
-        if not record.drafted and record.index == 0:
-            return  # round 0 without drafts: its token came with the prefill, there is no step to time
+        if not record.drafted and record.index == 0:  # its token came with the prefill, there is no step to time
+            self.why = self.unmeasured(record.mode)
+            return
         # the arm that ran, credited with what it gave, drafts or none: a drafter that proposes nothing (a head
         # below --adaptive's p_min) is a plain step at its own cost; counted for off, it never finished its warm-up
         # and auto ran it forever
@@ -430,6 +431,13 @@ class AutoDrafter(Drafter):
             return
         tokens = record.expected_tokens if record.stop_reason is None else len(record.tokens)  # the last round is cut
         self.rates[arm].add(tokens, record.draft_s + record.verify_s, self.rounds, most=record.drafted + 1)
+
+    def unmeasured(self, mode: str) -> str:
+        """The reason after a round 0 that drafted nothing: a round run to measure an arm must not read as a
+        measurement (a session of one-token replies has no other rounds, and never leaves the warm-up)."""
+        if not self.why.startswith(("measuring", "re-measuring")):
+            return self.why  # a choice made from the rates so far: still why
+        return f"{self.why} ({mode} drafted nothing in round 0: no step to time)"
 
     def standings(self) -> tuple[Standing, ...]:
         """The current setting's measured arms, fastest first."""
