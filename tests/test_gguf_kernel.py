@@ -56,10 +56,11 @@ def test_a_row_is_the_same_bits_whatever_positions_come_with_it(kind):
     assert torch.equal(torch.cat([gguf_linear(x[i : i + 1], w) for i in range(16)]), together)
 
 
+@pytest.mark.parametrize("d", [96, 256])  # an odd number of blocks too: the 512-bit path's last block goes alone
 @pytest.mark.parametrize("kind", TYPES)
-def test_the_simd_path_gives_the_plain_c_path_s_bits_and_threads_change_nothing(kind, monkeypatch):
-    w = quantised(kind, n=100, d=256, seed=3)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)) * 4
+def test_the_simd_path_gives_the_plain_c_path_s_bits_and_threads_change_nothing(kind, d, monkeypatch):
+    w = quantised(kind, n=100, d=d, seed=3)
+    x = torch.randn(5, d, generator=torch.Generator().manual_seed(3)) * 4
     simd = gguf_linear(x, w)
     assert torch.equal(simd, gguf_linear(x, w, reference=True))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

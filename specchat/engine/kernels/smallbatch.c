@@ -433,6 +433,13 @@ done:
 
 #define QK 32
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml's type ids */
+/* float lanes a row's sums are kept in: 16 with AVX-512 VNNI (two blocks an instruction: lanes 0-7 the even block of
+   a pair, 8-15 the odd one; a last odd block in lanes 0-7), else 8; the plain C path keeps the same lanes */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GGUF_LANES 16
+#else
+#define GGUF_LANES 8
+#endif
 
 static inline float half_to_float(unsigned short h) {
 #if defined(__F16C__)
@@ -477,9 +484,11 @@ static inline void decode_scalar(int type, const unsigned char *b, signed char q
     }
 }
 
-/* the 8 lanes' float sum, in the tree a 256-bit reduction takes: (l0+l4, l1+l5, l2+l6, l3+l7), then pairs */
-static inline float sum_lanes(const float a[8]) {
-    float h0 = a[0] + a[4], h1 = a[1] + a[5], h2 = a[2] + a[6], h3 = a[3] + a[7];
+/* the lanes' float sum in a fixed tree: 16 lanes fold to 8 (l + l+8), then (l0+l4, l1+l5, l2+l6, l3+l7), then pairs */
+static inline float sum_lanes(const float a[GGUF_LANES]) {
+    float f[8];
+    for (int l = 0; l < 8; l++) f[l] = GGUF_LANES == 16 ? a[l] + a[l + 8] : a[l];
+    float h0 = f[0] + f[4], h1 = f[1] + f[5], h2 = f[2] + f[6], h3 = f[3] + f[7];
     return (h0 + h2) + (h1 + h3);
 }
 
@@ -567,7 +576,63 @@ static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_
 }
 #endif
 
-/* The same arithmetic in plain C, position by position (the tests' reference; the path without AVX2) */
+#if GGUF_LANES == 16
+/* Two blocks an instruction. Q4_1's weights are unsigned: dpbusd(w, x). Q4_0's and Q8_0's are signed and AVX-512 has
+   no byte sign instruction: dpbusd(x + 128, w) - 128 * sum(w), the same integers. x_dexp holds each block's scale 8
+   times, so a pair's 16 lane scales are one load. */
+static inline __attribute__((always_inline)) void gguf_rows_simd512(const float *x_dexp, const float *x_sums,
+                                                                    const signed char *xq, const unsigned char *xu,
+                                                                    const unsigned char *w, int type, float *y,
+                                                                    const long S, long N, long D, long n0, long n1) {
+    long nb = D / QK, bytes = block_bytes(type), pairs = nb / 2;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *row = w + n * nb * bytes;
+        __m512 acc[S];
+        float offset[S];
+        for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = 0.0f;
+        for (long p = 0; p < pairs; p++) {
+            const unsigned char *b0 = row + 2 * p * bytes, *b1 = b0 + bytes;
+            __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(decode_simd(type, b0)), decode_simd(type, b1), 1);
+            __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(block_scale(b0))), _mm256_set1_ps(block_scale(b1)), 1);
+            __m512i correction = type == GGUF_Q4_1 ? _mm512_setzero_si512() : _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq);
+            float m0 = block_offset(type, b0), m1 = block_offset(type, b1);
+            for (long s = 0; s < S; s++) {
+                long at = s * nb + 2 * p;
+                __m512i lanes = type == GGUF_Q4_1
+                    ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xq + at * QK))
+                    : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xu + at * QK), wq), correction);
+                acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, _mm512_loadu_ps(x_dexp + at * 8)), acc[s]);
+                if (type == GGUF_Q4_1) {
+                    offset[s] = fmaf(m0, x_sums[at], offset[s]);
+                    offset[s] = fmaf(m1, x_sums[at + 1], offset[s]);
+                }
+            }
+        }
+        if (nb % 2) { /* a last odd block: lanes 0-7 only */
+            const unsigned char *blk = row + (nb - 1) * bytes;
+            __m256i wq = decode_simd(type, blk), u = type == GGUF_Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
+            float dw = block_scale(blk), m = block_offset(type, blk);
+            for (long s = 0; s < S; s++) {
+                long at = s * nb + nb - 1;
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
+                __m256i lanes = dot_u8s8(u, type == GGUF_Q4_1 ? xv : _mm256_sign_epi8(xv, wq));
+                __m512 scale = _mm512_castps256_ps512(_mm256_set1_ps(dw * x_dexp[at * 8]));
+                acc[s] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(lanes)), scale, acc[s], 0x00ff);
+                if (type == GGUF_Q4_1) offset[s] = fmaf(m, x_sums[at], offset[s]);
+            }
+        }
+        for (long s = 0; s < S; s++) {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[s]);
+            y[s * N + n] = sum_lanes(lanes) + offset[s];
+        }
+    }
+}
+#endif
+
+/* The same arithmetic in plain C, position by position, in the same lanes (the tests' reference; the path
+   without AVX2) */
 static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w,
                             int type, float *y, long S, long N, long D, long n0, long n1) {
     long nb = D / QK, bytes = block_bytes(type);
@@ -575,16 +640,17 @@ static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed 
         const unsigned char *row = w + n * nb * bytes;
         for (long s = 0; s < S; s++) {
             const signed char *xs = xq + s * nb * QK;
-            float acc[8] = {0}, offset = 0.0f;
+            float acc[GGUF_LANES] = {0}, offset = 0.0f;
             for (long b = 0; b < nb; b++) {
                 float dw, m, scale;
                 signed char q[QK];
                 decode_scalar(type, row + b * bytes, q, &dw, &m);
                 scale = dw * x_d[s * nb + b];
+                int base = GGUF_LANES == 16 && !(nb % 2 && b == nb - 1) ? (int)(b % 2) * 8 : 0;
                 for (int l = 0; l < 8; l++) {
                     int lane = 0;
                     for (int j = 4 * l; j < 4 * l + 4; j++) lane += (int)q[j] * (int)xs[b * QK + j];
-                    acc[l] = fmaf((float)lane, scale, acc[l]);
+                    acc[base + l] = fmaf((float)lane, scale, acc[base + l]);
                 }
                 if (type == GGUF_Q4_1) offset = fmaf(m, x_sums[s * nb + b], offset);
             }
@@ -593,9 +659,19 @@ static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed 
     }
 }
 
-static void gguf_rows(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w, int type,
-                      float *y, long S, long N, long D, long n0, long n1, int reference) {
-#if defined(__AVX2__)
+static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums, const signed char *xq,
+                      const unsigned char *xu, const unsigned char *w, int type, float *y, long S, long N, long D,
+                      long n0, long n1, int reference) {
+#if GGUF_LANES == 16
+    if (!reference) {
+#define GCASE(k) case k: gguf_rows_simd512(x_dexp, x_sums, xq, xu, w, type, y, k, N, D, n0, n1); return;
+        switch (S) {
+            GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
+            GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
+        }
+#undef GCASE
+    }
+#elif defined(__AVX2__)
     if (!reference) {
 #define GCASE(k) case k: gguf_rows_simd(x_d, x_sums, xq, w, type, y, k, N, D, n0, n1); return;
         switch (S) {
@@ -615,16 +691,20 @@ int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long
     if (S < 1 || S > 16 || D % QK || !block_bytes(type)) return -1;
     long nb = D / QK;
     signed char *xq = malloc(S * D);
+    unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
     float *x_d = malloc(sizeof(float) * S * nb), *x_sums = malloc(sizeof(float) * S * nb);
-    if (!xq || !x_d || !x_sums) {
-        free(xq), free(x_d), free(x_sums);
+    float *x_dexp = malloc(sizeof(float) * S * nb * 8); /* each block's scale 8 times: a pair's lane scales */
+    if (!xq || !xu || !x_d || !x_sums || !x_dexp) {
+        free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
         return -1;
     }
     quantize_rows(x, S, D, xq, x_d, x_sums);
+    for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
+    for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
     long chunk = 16; /* output rows per task: blocks of a few kB of weights */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long n0 = 0; n0 < N; n0 += chunk)
-        gguf_rows(x_d, x_sums, xq, w, type, y, S, N, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
-    free(xq), free(x_d), free(x_sums);
+        gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, S, N, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
+    free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
     return 0;
 }
