@@ -4,6 +4,8 @@ bit the same whatever positions are fed with a row, however many threads, and in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -92,3 +94,32 @@ def test_a_type_it_does_not_take_is_refused():
         gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q6_K", w.shape))
     with pytest.raises(ValueError):
         gguf_linear(torch.randn(1, 40), GGUFWeights(w.blocks, "Q4_1", (96, 40)))
+
+
+def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(tmp_path):
+    """This machine may take the AVX-512 path; the AVX2 one (AMD CPUs here) is compiled for Haswell and run too."""
+    import ctypes
+    import subprocess
+
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
+    cc = smallbatch._compiler()
+    if cc is None or " avx2 " not in f" {flags} ".replace("\n", " "):
+        pytest.skip("no C compiler or no AVX2")
+    lib_path = tmp_path / "haswell.so"
+    subprocess.run([cc, "-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-o", str(lib_path), str(smallbatch.SOURCE)],
+                   check=True, capture_output=True, timeout=120)
+    fn = ctypes.CDLL(str(lib_path)).gguf_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    for kind in TYPES:
+        w = quantised(kind, n=48, d=96, seed=6)
+        x = torch.randn(5, 96, generator=torch.Generator().manual_seed(6))
+        out = {}
+        for reference in (0, 1):
+            for rows in (5, 1):
+                y = torch.empty(rows, 48)
+                assert fn(x.data_ptr(), w.blocks.data_ptr(), smallbatch.GGUF_TYPES[kind], y.data_ptr(), rows, 48, 96, 2, reference) == 0
+                out[reference, rows] = y
+        assert torch.equal(out[0, 5], out[1, 5]) and torch.equal(out[0, 5][:1], out[0, 1])
+        error = (out[0, 5].double() - x.double() @ w.float().double().T).abs()
+        assert (error <= rounding_bound(x, w.float()) + 1e-4).all()
