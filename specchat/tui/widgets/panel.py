@@ -50,7 +50,7 @@ def auto_story(snapshot: Snapshot) -> str:
                          for a in arms if a.arm != skip)
 
     plain = next((a.per_s for a in arms if a.arm == "off"), None)
-    chosen = next((a.per_s for a in arms if a.arm == choice), None)
+    chosen = next((a.per_s for a in arms if a.arm.startswith(choice or "-")), None)  # (suffix's arms: suffix2, ...)
     if why.startswith(("measuring", "re-measuring")):
         return f"{why[0].upper()}{why[1:]}. Tok/s so far: {figures()}."
     if choice != "off":

@@ -1,0 +1,63 @@
+"""The README's picture: the real chat on the embedded default model, mid-conversation, saved as SVG by Textual.
+
+    python scripts/screenshot.py [--out docs/images/chat.svg] [--size 132x40] [--mode auto]
+
+It loads the default model as `specchat` does (offline), sends two messages, waits for each reply, selects a token
+(the inspector), and saves the screen. Sampling is seeded, so a rerun on the same machine draws the same replies;
+the figures in the panel are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from pathlib import Path
+
+PROMPTS = ["Write a haiku about the sea.", "Now write it again, word for word, and add a title."]
+
+
+async def shoot(out: Path, size: tuple[int, int], mode: str) -> None:
+    from textual.widgets import Input
+
+    from specchat.cli.main import CHAT_SAMPLING
+    from specchat.cli.options import load_session
+    from specchat.tui.app import SpecChatApp
+
+    from specchat.cli.main import main as cli
+
+    opts = {**cli.make_context("specchat", ["--mode", mode, "--seed", "0"]).params, **CHAT_SAMPLING}  # the chat's defaults
+    session = load_session(opts, quiet=True)
+    app = SpecChatApp(session, theme="dark")
+    async with app.run_test(size=size) as pilot:
+        prompt = app.query_one("#prompt", Input)
+        prompt.cursor_blink = False
+        for text in PROMPTS:
+            prompt.value = text
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+            deadline = time.monotonic() + 120
+            while app.generating and time.monotonic() < deadline:
+                await pilot.pause(0.1)
+        app.refresh_panel()
+        app.clear_notifications()
+        await pilot.pause(0.3)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        app.save_screenshot(filename=out.name, path=str(out.parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="docs/images/chat.svg")
+    parser.add_argument("--size", default="132x40")
+    parser.add_argument("--mode", default="auto")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    width, height = (int(v) for v in args.size.split("x"))
+    asyncio.run(shoot(Path(args.out), (width, height), args.mode))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
