@@ -2,9 +2,8 @@
 
     python scripts/screenshot.py [--out docs/images/chat.svg] [--size 132x40] [--mode auto]
 
-It loads the default model as `specchat` does (offline), sends two messages, waits for each reply, selects a token
-(the inspector), and saves the screen. Sampling is seeded, so a rerun on the same machine draws the same replies;
-the figures in the panel are this machine's.
+It loads the default model as `specchat` does (offline), sends two messages, waits for each reply and saves the screen. The replies are sampled as in the chat (T=0.7, top-p 0.9) and mode auto starts from what earlier
+sessions on this machine learnt, so each run draws its own; the panel's figures are this machine's.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-PROMPTS = ["Write a haiku about the sea.", "Now write it again, word for word, and add a title."]
+PROMPTS = ["Write a haiku about the sea.", "Repeat your haiku exactly, then add one more line."]
 
 
 async def shoot(out: Path, size: tuple[int, int], mode: str) -> None:

@@ -244,6 +244,9 @@ def test_why_auto_runs_plain_decoding_is_said_in_words_within_its_six_lines(k):
     assert story.startswith("Plain decoding is fastest here: 4.2 tok/s; draft 3.1, quant 3.0 (max 3.9), head 1.5.")
     assert f"A {k + 1}-position verify costs 12.8 steps: a round must give 12.8+ tokens." in story
     assert story.endswith("Repeated text or a cheaper draft would change it.")
+    repeats = dataclasses.replace(snapshot, standings=(*arms, Standing("suffix3-5", 6.0, 9.0, 4), Standing("suffix2", 2.0, 3.0, 4)))
+    assert auto_story(repeats).startswith("Plain decoding is fastest here: 4.2 tok/s; draft 3.1, quant 3.0 (max 3.9), "
+                                          "head 1.5; suffix 6.0 where the text repeats.")  # not a rival elsewhere
     suffix = dataclasses.replace(snapshot, choice="suffix", why="suffix≥6 30 tok/s vs off 4",
                                  standings=(Standing("suffix≥6", 30.0, 40.0, 5), *arms))
     assert auto_story(suffix) == "suffix is fastest so far: 7.06× plain decoding (30 vs 4.2 tok/s)."  # its arm's rate

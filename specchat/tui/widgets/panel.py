@@ -39,24 +39,28 @@ def estimate_speedup(snapshot: Snapshot, mode: str) -> tuple[float | None, str]:
 
 def auto_story(snapshot: Snapshot) -> str:
     """Mode auto's choice in words: what it measured (tok/s of engine time), what a round must give to pay on this
-    machine, and, where plain decoding wins, what would change that."""
+    machine, and, where plain decoding wins, what would change that. Suffix drafts only where the text repeats: its
+    arms (by match length) are not rivals of plain decoding elsewhere, so they are named apart."""
     arms, choice, why = snapshot.standings, snapshot.choice, snapshot.why or ""
     if not arms:
         return "Measuring each mode for a few rounds first."
     leader = arms[0].per_s
 
-    def figures(skip: str | None = None) -> str:
+    def figures(keep) -> str:
         return ", ".join(f"{a.arm} {rate(a.per_s)}" + (f" (max {rate(a.ceiling)})" if a.ceiling is not None and a.ceiling < leader else "")
-                         for a in arms if a.arm != skip)
+                         for a in arms if keep(a.arm))
 
     plain = next((a.per_s for a in arms if a.arm == "off"), None)
     chosen = next((a.per_s for a in arms if a.arm.startswith(choice or "-")), None)  # (suffix's arms: suffix2, ...)
     if why.startswith(("measuring", "re-measuring")):
-        return f"{why[0].upper()}{why[1:]}. Tok/s so far: {figures()}."
+        return f"{why[0].upper()}{why[1:]}. Tok/s so far: {figures(lambda arm: True)}."
     if choice != "off":
         times = f": {chosen / plain:.2f}× plain decoding ({rate(chosen)} vs {rate(plain)} tok/s)" if chosen and plain else ""
         return f"{choice} is fastest so far{times}."
-    story = f"Plain decoding is fastest here: {rate(plain)} tok/s" + (f"; {others}." if (others := figures("off")) else ".")
+    others = figures(lambda arm: arm != "off" and not arm.startswith("suffix"))
+    repeats = [a.per_s for a in arms if a.arm.startswith("suffix")]
+    story = (f"Plain decoding is fastest here: {rate(plain)} tok/s" + (f"; {others}" if others else "")
+             + (f"; suffix {rate(max(repeats))} where the text repeats" if repeats else "") + ".")
     steps = snapshot.verify_steps
     if steps is not None and steps > 1.2:
         story += f" A {snapshot.k + 1}-position verify costs {steps:.1f} steps: a round must give {steps:.1f}+ tokens."
