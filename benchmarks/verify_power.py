@@ -5,7 +5,7 @@ Usage: python benchmarks/verify_power.py [--runs 50]
 Each broken rule (and the exact one) runs `--runs` times with different seeds at verify's defaults (100 draws,
 K = 4, K+1 tokens tested, alpha 0.01); the table gives how many runs failed, and how many failed by each of the
 three tests alone (chi-square at 1/2 alpha, likelihood and draft direction at 1/4 each). The suite asserts a
-smaller number of runs; this is the longer measurement the README quotes.
+smaller number of runs; this is the longer measurement docs/commands.md quotes.
 """
 
 from __future__ import annotations

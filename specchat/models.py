@@ -104,9 +104,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on CUDA, fp16 on MPS, fp32 on CPU.
 
-    On the reference 2-core CPU a SmolLM2 decode step measured 31 ms in fp32 against 36 ms in bf16
-    (benchmarks/dtype_step.py, interleaved, idle machine), and fp32 keeps speculative greedy output
-    token-identical to plain greedy, which bf16 rounding does not guarantee.
+    fp32 on CPU: a SmolLM2 decode step is faster in it (31 ms against 36 ms in bf16 on 2 cores), and it keeps
+    speculative greedy output token-identical to plain greedy, which bf16 rounding does not guarantee.
     """
     if name == "auto":
         return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
@@ -174,7 +173,7 @@ def conversion_bytes(path: Path) -> int:
 
 
 # A start that would write more than this into the user cache (GGUF conversions for torch) asks first, or needs --yes
-# (cli/options.ask_before_writing): a Qwen2.5-Coder 1.5B + 0.5B pair in Q4_K_M wrote ~11 GB unasked (issue 54)
+# (cli/options.ask_before_writing): a Qwen2.5-Coder 1.5B + 0.5B pair in Q4_K_M converts to ~11 GB
 CONSENT_BYTES = 1e9
 
 
@@ -196,8 +195,7 @@ def conversion_plan(path: Path) -> str | None:
             f"in {models_dir()}, {when} on 2 cores...")
 
 
-# convert_gguf's rate for the plan line: the default model's 134.5M parameters took 30 s on the 2-core reference
-# machine at load 1.3 (benchmarks/RESULTS.md, section 13)
+# convert_gguf's rate for the plan line: the default model's 134.5M parameters take ~30 s on 2 cores
 CONVERSION_PARAMS_PER_S = 4.5e6
 
 

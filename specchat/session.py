@@ -39,8 +39,8 @@ def drafter_options(model, mode: str, options: dict) -> dict:
     this model; low-rank factors are kept in the user cache."""
     out = dict(options)
     if on_llama_cpp(model):  # a GGUF target on llama.cpp: quant drafts with a smaller quantisation of its file
-        # auto tries quant only on a 16- or 32-bit file: a 4-bit copy of an 8-bit or 4-bit file cost 0.8-1.0 of
-        # its step (benchmarks/llamacpp_step.py), so with a verify of 5 positions at 2.3-3.9 steps it can only lose
+        # auto tries quant only on a 16- or 32-bit file: a 4-bit copy of an 8-bit or 4-bit file costs 0.8-1.0 of
+        # its step, so with a verify of 5 positions at 2.3-3.9 steps it can only lose
         wide = model.dtype in ("F32", "F16", "BF16")
         draft_type = models.QUANT_DRAFT.get(model.dtype, models.QUANT_DRAFT_DEFAULT)
         if (mode == "quant" or (mode == "auto" and wide)) and out.get("quant_gguf") is None and draft_type != model.dtype:

@@ -1,6 +1,6 @@
 """torch's CPU threads: how many, and how they wait.
 
-Two measurements on the 2-core reference machine (README, Threads) decide this:
+Two measurements on the 2-core reference machine (docs/threads.md) decide this:
 - OpenMP threads that spin briefly while they wait make decoding 1.2-1.5x faster than threads that sleep at once:
   a forward has ~120 parallel regions, and waking a sleeping thread for each costs more than the region.
 - Two spinning threads beside a CPU-bound process collapse (0.16-0.39 of their quiet speed): every parallel
@@ -24,7 +24,7 @@ log = logging.getLogger("specchat")
 
 SPIN_COUNT = "10000"  # libgomp's spin iterations before a waiting thread sleeps (its default is 300000)
 # llama.cpp's threads wait in the same libgomp (one per process) between decodes, while the loop does ~1 ms of
-# work of its own: with the brief spin they fall asleep each time (benchmarks/RESULTS.md section 9)
+# work of its own: with the brief spin they would fall asleep, and pay a wake-up, at every decode
 LLAMA_CPP_SPIN_COUNT = "300000"
 ADAPT_EVERY_S = 1.0
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 MIN_EXPECTED = 5.0
-DEFAULT_SAMPLES = 100  # draws (see README, verify: power on tiny models and seconds per mode on the default model)
+DEFAULT_SAMPLES = 100  # draws (see docs/commands.md, verify: power on tiny models and seconds per mode on the default model)
 DEFAULT_ALPHA = 0.01
 TESTS = ("target", "homogeneity")
 

@@ -491,17 +491,17 @@ def test_bench_report_is_rendered_on_a_terminal_and_plain_when_piped(monkeypatch
     assert capsys.readouterr().out == REPORT
 
 
-def test_the_plot_hint_matches_the_readme():
+def test_the_plot_hint_matches_the_docs():
     from specchat.bench.report import PLOT_HINT
 
-    assert "pip install -e '.[plot]'" in PLOT_HINT and "pip install -e '.[plot]'" in (ROOT / "README.md").read_text()
+    assert "pip install -e '.[plot]'" in PLOT_HINT and "pip install -e '.[plot]'" in (ROOT / "docs" / "benchmarks.md").read_text()
     assert "specchat[plot]" not in PLOT_HINT
 
 
-def test_the_readme_states_the_sampling_defaults_each_command_uses():
+def test_the_docs_state_the_sampling_defaults_each_command_uses():
     from specchat.cli.main import CHAT_SAMPLING
 
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "commands.md").read_text().split())
     chat = f"the chat samples at temperature {CHAT_SAMPLING['temperature']:g}, top-p {CHAT_SAMPLING['top_p']:g}"
     from specchat.cli.generate import generate
 

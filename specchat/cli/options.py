@@ -402,7 +402,7 @@ def load_session(opts: dict, *, quiet: bool = False, progress=None):
         session.set_system(opts["system"])
     if opts["adaptive"]:
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
-        # when their top probability is below 0.7 (measured: benchmarks/RESULTS.md)
+        # when their top probability is below 0.7
         session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
     if session.engine_label == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
             and (not opts.get("draft") or is_gguf(opts["draft"])):

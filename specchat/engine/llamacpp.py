@@ -13,7 +13,7 @@ draft's, another engine's for verify's parallel draws). `LlamaTargetState` is Ta
 p on this engine is what llama.cpp computes for the positions of a batch. A batch of K+1 positions may round
 differently from a one-token decode (ggml takes other matmul paths for several rows), so greedy output with
 speculation can differ from llama.cpp's own one-token-at-a-time greedy decoding where two tokens are within
-rounding of each other (README, Engines, counts how often). The rule is exact for the p it is given.
+rounding of each other (docs/engines.md counts how often). The rule is exact for the p it is given.
 """
 
 from __future__ import annotations

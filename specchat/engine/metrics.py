@@ -180,8 +180,8 @@ class SpeedupModel:
 
     predicted = tokens per round / cost of a round in plain steps, both measured over the same rounds (each
     generation's first left out, as tokens/s does). The i.i.d. formula (`iid`: acceptance a at every position,
-    K drafts every round) missed where that does not hold: lookup accepts in runs and drafts only after a
-    match (1.53x predicted against 1.96x measured in a chat; 1.86x against 1.14x in bench). It stays for what
+    K drafts every round) misses where that does not hold: lookup accepts in runs and drafts only after a
+    match (in a chat the formula gave 1.53x where 1.96x was measured). It stays for what
     only it can do: extrapolate to another K (tune)."""
 
     acceptance: float  # a

@@ -74,14 +74,14 @@ class Recipe:
     steps: int | None = None  # optimizer steps; None: chosen from `minutes` and the measured step speed
     vocab: int = 8192  # N: the head drafts among this many tokens
     seed: int = 0
-    data_share: float = 0.55  # the shipped head's recipe (benchmarks/RESULTS.md section 6, "A head in 20 minutes")
+    data_share: float = 0.55  # the shipped head's split: in 20 minutes, a head that drafts as well as one trained longer
     text_share: float = 0.15  # of the data time: teacher-forced text (the Python standard library's docstrings)
     max_new_tokens: int = 160
     batch: int = 128  # replies generated together (CPU, SmolLM2: 32 -> 128 rows raised generate's tokens/s ~2.4x)
     temperature: float = 0.8  # for the sampled two thirds of the replies
     seqs_per_step: int = 4  # sequences per optimizer step (gradient accumulation)
     max_len: int = 384
-    lr: float = 3e-3  # peak; with cls_weight 0.3: +0.027 held-out acceptance over 1e-3 and 1.0, paired over three seeds (benchmarks/RESULTS.md sections 27-28)
+    lr: float = 3e-3  # peak; with cls_weight 0.3: +0.027 held-out acceptance over 1e-3 and 1.0, paired over three seeds
     cls_weight: float = 0.3  # the cross-entropy's weight beside the feature regression's 1 (see lr)
     noise: float = 0.05  # feature noise, relative to the features' RMS (EAGLE's robustness to its own errors)
     depth: int = 1  # draft positions trained: 2+ adds EAGLE-3's training-time test (Trainer.batch_loss)
@@ -110,8 +110,8 @@ class Data:
 
     def add(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:
         """A sequence the target just made, its features rounded as the shards keep them (save), so a run trains on
-        the same features whether it made its data or loaded it: unrounded, a fresh run and its rerun trained two
-        different heads (benchmarks/RESULTS.md section 29)."""
+        the same features whether it made its data or loaded it: unrounded, a fresh run and its rerun would train two
+        different heads."""
         self.keep(tokens, features.to(torch.bfloat16).float(), group, start)
 
     def keep(self, tokens: list[int], features: torch.Tensor, group: int, start: int = 0) -> None:

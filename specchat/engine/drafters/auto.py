@@ -5,64 +5,32 @@ the draft head, the int8 copy of mode quant, a draft model: whichever can run), 
 exactly as if the user had chosen that mode. The choice depends only on earlier rounds, never on this round's
 draws, and every candidate is exact, so `auto` is exact too.
 
-What it measures: per mode and sampling setting (acceptance depends on the temperature), tokens per second of
-engine time (draft + verify) over its recent rounds, exponentially weighted, so a change of load reaches the
-estimates of the modes that run; an estimate weighs less against a new round the longer its arm went unmeasured
-(halved every DECAY rounds), so the change reaches a rarely run arm's estimate at its next round (before, a load
-spike that slowed the leader let a stale, calmer estimate of the head win for 25 rounds of a reply). A round's
-tokens are counted as their expectation given its drafts
-(RoundRecord.expected_tokens, from the acceptance probabilities), which is far less noisy than the one
-accept/reject draw that happened. A round counts for the mode that ran it, also when it drafted nothing (a
-plain step at that mode's cost: what choosing it gave). The first round of a drafter with a cache of its own (the
-head, a draft model: `Drafter.catches_up`) after another mode ran, or after a reset, is not counted: it feeds every
-position it missed (a whole prompt, or the tokens of 64 rounds), a switching cost and not the mode's own. quant's
-int8 copy drafts on the target's own cache and has nothing to catch up on.
+What it measures: per arm (a mode; suffix has one per match length) and sampling setting, tokens per second of
+engine time (draft + verify), exponentially weighted; an estimate weighs half as much against a new round for every
+DECAY rounds its arm went unmeasured, so a change of load reaches it at once. A round counts its expected tokens
+(RoundRecord.expected_tokens: less noisy than the one draw); one that drafted nothing, as a plain step at its mode's
+cost; a cached drafter's catching-up round (`Drafter.catches_up`), a switching cost, not at all.
 
-How it chooses: every candidate runs MIN_ROUNDS counted rounds first; after that a candidate is measured further
-(up to WARMUP rounds) only while it could still beat the leader: its rate times 1 + spread/sqrt(rounds), an
-upper bound that narrows as rounds come in, is above the leader's (a UCB-style race, so a warm-up costs little
-where one mode is clearly ahead). The spread is how much the arm's own per-round rates vary (Rate.spread, between
-CV_FLOOR and SPREAD): two plain rounds settle plain decoding, whose every round is one token at one step's cost,
-where a fixed SPREAD kept it racing against one unlucky quant round (section 17 of benchmarks/RESULTS.md).
-A candidate whose ceiling (Rate.ceiling: its rate had every draft been accepted, from what its rounds cost) is below
-the leader's rate cannot win whatever the target says: it is not measured further, nor re-measured, until the
-leader's rate falls below it (a change of load). On llama.cpp with the Qwen pair, a verify of 5 positions costs 3.9
-plain steps and the draft model's 4 drafts 2.5 more, so even 5 tokens a round lose; re-measuring it cost auto 8%
-against plain decoding (section 21).
-Then each round runs the best, except that a candidate not run for a while runs again (its wait doubles each
-time it loses, up to MAX_WAIT rounds, times how far it trails the leader and the rounds a re-measurement takes,
-up to MAX_TRAIL: plain decoding at 0.45x quant waits 2.2x as long), and the incumbent is kept unless another is
-faster by more than HYSTERESIS (switching drafters costs a resync).
+How it chooses: every candidate runs MIN_ROUNDS counted rounds, then up to WARMUP while its upper bound (Rate.upper,
+which narrows with its rounds by the spread of its own per-round rates) is above the leader's rate: a UCB-style race.
+An arm whose ceiling (Rate.ceiling: its rate had every draft been accepted) is below the leader's rate cannot win
+and is not run until the leader's rate falls below it. Otherwise the leader runs, except that a losing candidate
+runs again after a wait that doubles with each loss (FIRST_WAIT to MAX_WAIT rounds, stretched by `trail`), and the
+incumbent stays unless another is faster by more than HYSTERESIS (switching drafters costs a resync).
 
 What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
-machine): after each reply the session saves every arm's rate; a new session starts from them, so its first
-reply runs the best known mode at once. A remembered rate weighs as PRIOR_ROUNDS rounds, halved every
-HALF_LIFE_DAYS since it was measured (forgotten under one round: measured afresh), so the session's own rounds
-replace it within a few; and an arm known only from memory is re-measured after REMEMBERED_WAIT rounds, so a
-change of load since (or a rate learnt on a quieter day) cannot pin a bad choice. The ceiling is saved with the
-rate, so a learnt session does not try an arm that could not win. Another CPU or thread setting is another file:
-learnt afresh.
+machine): every arm's rate and ceiling, so a new session's first reply runs the best known mode. A remembered rate
+weighs as PRIOR_ROUNDS rounds, halved every HALF_LIFE_DAYS, and its arm is re-measured after REMEMBERED_WAIT rounds,
+so a rate learnt under other load cannot pin a bad choice.
 
-The suffix drafter is special: it only drafts where the last tokens occurred before (in this conversation or a
-saved one), so it is a candidate only in rounds where it has a match, and its rate is kept per length of that
-match (a copy in progress, or a chance bigram). It replaced prompt lookup here, its special case: on the
-multi-turn chats of benchmarks/multiturn.py it beat lookup in 7 of 8 conversation-runs on llama.cpp and was
-level with it on torch (README, mode suffix).
+Suffix shadows: suffix is a candidate only where the context has a match, and is measured without running it. In
+rounds other modes run, its drafts are scored against the tokens that follow (the target's, whatever mode ran) at
+the cost of a verify that long (`verify_cost`, from every mode's rounds) plus a lookup; so it runs only where it is
+fastest, or where no verify as long as its drafts has a cost yet.
 
-Its arms are measured without running them (shadows): its drafts cost a lookup, so in every round another mode
-runs where suffix has a match, auto takes what it would have drafted and scores it against the tokens that follow.
-Those are the target's tokens whatever mode ran (every candidate is exact), so 1 + the drafts they match is what a
-suffix round would have emitted, in expectation, at any temperature; its cost is the verify of that many
-positions (`verify_cost`, from every mode's rounds: a verify's cost depends on its positions, not on who drafted)
-plus a lookup's time. A suffix arm is run only where it is the fastest, and once before any verify longer than
-one position has a cost (on llama.cpp, where plain decoding is the only other candidate). Before, each arm ran
-MIN_ROUNDS rounds and its re-measurements: on llama.cpp, where a verify of 5 positions costs ~3.5 plain steps,
-each was a loss.
-
-Left out: layerskip and earlyexit draft with nearly the whole target (0.8-0.9 of a step per draft on every
-model measured) and could only lose; lowrank and quant's torch.ao copy take seconds to build, which would
-stall a reply. quant is a candidate where its int8 copy runs on the lean runner's kernel (built in ~0.3 s
-for the default model). The others stay one key away.
+Left out: lookup (suffix's special case); layerskip and earlyexit, which draft with nearly the whole target (0.8-0.9
+of a step a draft) and can only lose; lowrank and quant's torch.ao copy, whose seconds of building would stall a
+reply. quant is a candidate as the lean runner's int8 copy only. The others stay one key away.
 """
 
 from __future__ import annotations
@@ -78,14 +46,10 @@ CANDIDATES = ("off", "suffix", "head", "quant", "draft")  # in the order their f
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
 MIN_ROUNDS = 2  # counted rounds every candidate runs before the choice starts
 WARMUP = 6  # a candidate that could still beat the leader is measured up to this many rounds
-# the upper bound of a rate measured over n rounds: rate * (1 + SPREAD / sqrt(n)); a round's rate varied with a
-# coefficient of variation of 0.22 (quant) to 0.8-0.9 (prompt lookup, plain decoding) on the default model under load 2.8
-SPREAD = 0.5
-# the narrowest relative spread an arm's bound takes from its own rounds: plain decoding's step times varied ~10% from
-# round to round on the Qwen pair (benchmarks/RESULTS.md section 17), and a rate from two equal rounds is not exact
-CV_FLOOR = 0.1
+SPREAD = 0.5  # the widest spread of a rate's bound, used until two rounds tell (per-round CV reaches 0.8-0.9)
+CV_FLOOR = 0.1  # the narrowest: even plain steps vary ~10% round to round, so two equal rounds are not exact
 PRIOR_ROUNDS = 3  # a remembered rate weighs as this many rounds of this session (halved every HALF_LIFE_DAYS)
-HALF_LIFE_DAYS = 7.0
+HALF_LIFE_DAYS = 7.0  # a remembered rate's weight halves every this many days (under one round: forgotten)
 REMEMBERED_WAIT = 8  # an arm known only from earlier sessions runs again after this many rounds
 WINDOW = 16  # rounds an estimate averages over (exponential weights)
 DECAY = 16  # an estimate weighs half as much against a new round for every DECAY auto rounds it went unmeasured
@@ -339,7 +303,7 @@ class AutoDrafter(Drafter):
         self.matched = matched = self.match_arm(tokens)
         eligible = [arm for arm, mode in self.arm_mode.items() if mode != "suffix" or arm == matched]
         # the arms measured by running them: a suffix arm is measured by its shadows, for free, once a verify as long
-        # as its drafts has a cost (before, it runs to measure one)
+        # as its drafts has a cost (until then, it runs to measure one)
         suffix = self.candidates.get("suffix")
         shadowed = suffix is not None and self.verify_cost(suffix.draft_len(self.k) + 1) is not None
         best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
@@ -424,8 +388,8 @@ class AutoDrafter(Drafter):
             self.why = self.unmeasured(record.mode)
             return
         # the arm that ran, credited with what it gave, drafts or none: a drafter that proposes nothing (a head
-        # below --adaptive's p_min) is a plain step at its own cost; counted for off, it never finished its warm-up
-        # and auto ran it forever
+        # below --adaptive's p_min) is a plain step at its own cost; counted for off, it would never
+        # finish its warm-up and auto would run it forever
         arm = self.arm if record.mode == self.arm_mode.get(self.arm) else record.mode
         if arm not in self.rates:
             return

@@ -163,7 +163,7 @@ class HeadDrafter(Drafter):
     def __init__(self, head: DraftHead, target, meta: dict | None = None) -> None:
         self.head, self.meta = head.streamed(), meta or {}
         # a head whose later draft positions are rarely accepted records the most it should draft per round
-        # (measured; the shipped one's second position was accepted 3-6% of the time): K above it is capped
+        # (the shipped one's second position is accepted 3-6% of the time): K above it is capped
         self.max_draft = int(self.meta.get("max_draft") or 0) or None
         inner = target.model
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon

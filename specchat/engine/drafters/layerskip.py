@@ -6,8 +6,8 @@ not be mixed into the target cache. Skipped layers' cache slots
 stay empty. Extra memory: that cache (K/V of the kept layers), no weights.
 
 Drafting on the target's cache instead (reading the target's keys and values for the context and writing only the
-positions the verify overwrites, as quant and lowrank do: ModelDrafter.shares_target_cache) raised greedy
-acceptance from 0.60 to 0.72 on the default model (benchmarks/RESULTS.md), but tune's teacher-forced replay
+positions the verify overwrites, as quant and lowrank do: ModelDrafter.shares_target_cache) raises greedy
+acceptance from 0.60 to 0.72 on the default model, but tune's teacher-forced replay
 (tune/search.py), which predicts this loop exactly, assumes a cache of the draft's own; it stays so until the
 replay models the shared one.
 
@@ -15,7 +15,7 @@ Where the target runs on the lean runner (engine/runner.py) the draft pass runs 
 its entry points on a KVCache of its own, and the verify is the state's own (the lean forward of all
 layers). On the HF path the draft pass and the verify run HF's layer modules one by one (Decoder): the
 same modules and arithmetic as HF's forward, without its per-call mask and output bookkeeping
-(measured ~1.2x cheaper per step in fp32 on the reference CPU; benchmarks/RESULTS.md).
+(~1.2x cheaper per step in fp32 on CPU).
 """
 
 from __future__ import annotations

@@ -6,14 +6,13 @@ llama.cpp's quantizer into the user cache, models.quantized_gguf), drafting as d
 On a CPU where the lean runner and its kernel run (backend "int8", the default there), the draft is the
 target's lean runner with every matrix as int8 and a float32 scale per output row (smallbatch.Int8Weights,
 round to nearest): the kernel widens the int8 weights to float32 as it streams them, so a draft step reads a
-quarter of the target's bytes while activations, products and sums stay float32. It agreed with the float32
-target's greedy token at 0.976 of reply positions on the default model (benchmarks/RESULTS.md).
+quarter of the target's bytes while activations, products and sums stay float32, so it agrees with the float32
+target's greedy token at ~0.98 of reply positions on the default model.
 
 Elsewhere on CPU the copy uses torch.ao dynamic quantisation (int8 weights, activations quantised per step,
 fbgemm/x86 kernels). torch.ao.quantization is deprecated in favour of torchao, but torchao's int8
-paths run in eager mode through tensor-subclass dispatch and were measured slower than the fp32
-model itself here (benchmarks/RESULTS.md): a draft that is slower than the target is no
-draft. On CUDA the copy uses torchao's Int8WeightOnlyConfig when torchao is installed; without it
+paths run in eager mode through tensor-subclass dispatch, slower than the fp32 model itself on CPU:
+a draft that is slower than the target is no draft. On CUDA the copy uses torchao's Int8WeightOnlyConfig when torchao is installed; without it
 there is no int8 path and the mode is unavailable.
 
 The copy shares the target's embedding and norms (kept in float32 for the int8 kernels, which take

@@ -14,31 +14,15 @@ never a real token, so no match spans two sequences), one over the conversation 
 each round, rebuilt only when the conversation was rewound or replaced, as lookup's index is). Each state
 counts its occurrences and remembers its latest one, both kept online.
 
-Choices, from replaying the default model's greedy replies to the 15 tuning prompts (bench-prompts-short and
-head-prompts in benchmarks/, up to 200 tokens each; never the held-out ones, which every reported figure uses)
-through the drafter, a verify of K+1 positions costing 1 + 0.05 K plain steps (README) and the drafter's own
-~20 us a round left out, K=8:
-- alpha 1 (at most one draft per matched token, SuffixDecoding's max_spec_factor, vLLM's default): 1.27x plain
-  (1.29x with each earlier reply added to the corpus), against 1.26x (1.28x) with alpha 0.5, 1.27x (1.28x)
-  with 2, 1.26x (1.25x) with 4 or no cap, and lookup's 1.25x: a short match is a weak predictor.
-- min_confidence 0.1 (vLLM's default): the product of the frequencies along a draft estimates the chance it
-  is reached and accepted, and a draft pays above ~0.05, its cost; 0 to 0.2 gave the same within 0.3%.
-- min_match 2, as lookup's min_ngram: single-token matches are mostly wrong guesses.
-- max_spec 15 (SuffixDecoding's max_spec_tokens): a long match drafts past K, up to max(K, 15). Chosen on
-  benchmarks/multiturn.py --set tuning against 0 (K caps), 8 and 31; on its reported conversations ahead of K
-  alone by 0.02-0.08 in 7 of 8 conversation-engine cells, behind in one (benchmarks/RESULTS.md section 18).
+Choices (made on replays of the tuning prompts, never the held-out ones): at most one draft per matched token
+(ALPHA), as a short match is a weak predictor; no draft from a single-token match (MIN_MATCH), mostly a wrong guess;
+a draft stops where the product of the frequencies along it, the chance it is reached and accepted, falls below
+MIN_CONFIDENCE (a draft pays above ~0.05, what a position costs); a long match, a copy in progress, drafts past K (MAX_SPEC).
 
-Costs (pure Python 3.11, dict transitions, this 2-core CPU):
-- a corpus of 100k tokens: random over a 50k vocabulary 0.26 s and 48 MB (130k states); repetitive (sentences
-  drawn from a pool of 200, 10-30 tokens over 1k) 0.18 s and 41 MB (112k states). MAX_CORPUS keeps the corpus
-  at that size: past it the oldest sequences go, down to half, and the automaton is rebuilt (amortised O(1)
-  per token, a stall of ~0.15 s once every 50k tokens).
-- one `propose` on a 2k-token context one token after the last: ~20 us, with or without the 100k corpus; the
-  first on a new 2k-token context (its automaton built): 2-5 ms.
-- an occurrence is counted on the suffix-link path of the new state: at most 8 states on this repository's
-  README and ARCHITECTURE.md in SmolLM2's tokens (23k), but as long as the run in a periodic text (a model
-  stuck in a loop). The walk stops after MAX_WALK states (100k tokens of period 1 or 4: 0.7 s), so there the
-  shortest strings' counts stop growing; they have a single continuation anyway.
+Costs: a round is ~20 us of dict look-ups, nothing beside a verify. The corpus keeps MAX_CORPUS tokens (~45 MB):
+past it the oldest sequences go, down to half, and its automaton is rebuilt (amortised O(1) per token). An appended
+token counts an occurrence on the suffix-link path, which only a periodic text (a model stuck in a loop) makes
+long: the walk stops after MAX_WALK states, where the shortest strings have a single continuation anyway.
 """
 
 from __future__ import annotations
