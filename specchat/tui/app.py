@@ -88,10 +88,11 @@ class LoadProgress:
         return answer[0]
 
 
-def fit_names(names: list[str], width: int, joiner: str = " + ") -> str:
+def fit_names(names: list[str], width: int) -> str:
     """One or two names joined, each cut in the middle to fit `width` together: the second (a draft model) gets at
     most a third and what the first leaves; where the first would keep less than 16 characters, the second is just
     "draft"."""
+    joiner = " + "
     if len(joiner.join(names)) <= width:
         return joiner.join(names)
     if len(names) == 1:
@@ -197,7 +198,8 @@ class SpecChatApp(App):
         # the header shows "title — subtitle" between its icon (8 columns) and the space on its right (10)
         room = max(self.size.width, 40) - 18 - len(f"{self.title} — ")
         if self.remote:
-            return f"{fit_names([session.server.label, session.server.url], room - len(sampling) - 3, ' · ')} · {sampling}"
+            label = session.server.label
+            return f"{label} · {shorten(session.server.url, max(12, room - len(label) - len(sampling) - 6))} · {sampling}"
         kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
         # a GGUF file's name without its suffix: the type (Q4_K_M) says it
         names = [Path(m.name).name.removesuffix(".gguf") for m in (session.target, session.draft) if m is not None]
