@@ -11,6 +11,9 @@ where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torc
 its ~20 small eager ops (RMSNorms, RoPE, SDPA, adds) cost about 9 ms of a default-model step on the reference CPU,
 the C code microseconds.
 
+`gguf_linear` multiplies a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, read in place, for 1-16 positions (x rounded to
+int8 per block of 32, as llama.cpp does): the weights a quantised model streams, with no float32 copy.
+
 Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
 (`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
 read a half or a quarter of the bytes and compute in float32 as before.

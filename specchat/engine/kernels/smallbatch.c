@@ -422,9 +422,10 @@ done:
    weights exactly as the file stores them (read in place from the memory-mapped file: no float32 copy). Each row
    of x is first rounded to int8 in blocks of 32 with a scale per block (amax / 127, as llama.cpp's q8_0/q8_1).
    Then every weight block is decoded once into 32 bytes and multiplied into each of the S rows' int8 blocks:
-   lane l of a 256-bit vector holds the integer sum of products 4l..4l+3 (AVX-512 VNNI or AVX-VNNI dpbusd, else
-   AVX2 maddubs + madd: the same integers, no sum can saturate), scaled by d_w * d_x and fused-multiply-added
-   into that row's 8 float lanes, block after block; the lanes are summed in one fixed tree at the end. So a row's
+   lane l holds the integer sum of products 4l..4l+3 of a block (AVX-512 VNNI dpbusd on two blocks at once, 16
+   lanes; AVX-VNNI dpbusd or AVX2 maddubs + madd on one, 8 lanes: the same integers, no sum can saturate), scaled
+   by d_w * d_x and fused-multiply-added into that row's float lanes, block after block; the lanes are summed in
+   one fixed tree at the end. So a row's
    result is the same whatever S, the thread count and the SIMD path; gguf_linear's `reference` runs the same
    arithmetic in plain C (the tests compare them bit for bit). Q4_1's offset m adds m * d_x * sum(x_q) per block,
    in block order, in both. */
