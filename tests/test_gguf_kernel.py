@@ -123,3 +123,66 @@ def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(
         assert torch.equal(out[0, 5], out[1, 5]) and torch.equal(out[0, 5][:1], out[0, 1])
         error = (out[0, 5].double() - x.double() @ w.float().double().T).abs()
         assert (error <= rounding_bound(x, w.float()) + 1e-4).all()
+
+
+# ---------------------------------------------------------------- the lean runner on the file's own blocks
+
+
+@pytest.fixture(scope="module")
+def block_runners(smol):
+    from specchat.engine.runner import lean_runner
+
+    runner = lean_runner(smol.model)
+    return runner, runner.on_gguf_blocks(default_gguf())
+
+
+@pytest.mark.slow
+def test_the_runner_on_the_file_s_blocks_is_the_float32_model_within_x_s_rounding(smol, block_runners):
+    """Every matrix of the default model as its Q4_1 / Q8_0 blocks (Q and K rows put back from llama.cpp's RoPE
+    order): the same next tokens as the float32 conversion on a sentence, logits within 4 of it (seen: 1.78 of ~31;
+    the int8 rounding of x compounds over 30 layers); the C layer runs it (kind GGUF)."""
+    runner, blocks = block_runners
+    assert isinstance(blocks.blocks[0].qkv_w, GGUFWeights) and blocks.blocks[0].qkv_w.type == "Q4_1"
+    assert isinstance(blocks.head_w, GGUFWeights) and blocks.head_w.type == "Q8_0"  # tied: the embedding's blocks
+    ids = smol.raw_ids("The quick brown fox jumps over the lazy dog. The capital of France is")
+    with torch.inference_mode():
+        dense = runner.forward(ids, range(runner.n_layers), runner.new_cache(), 0, keep=len(ids))  # [S, V]
+        quantised = blocks.forward(ids, range(blocks.n_layers), blocks.new_cache(), 0, keep=len(ids))
+    assert blocks._fused is not None and all(L is not None for L in blocks._fused)
+    assert torch.equal(dense.argmax(-1), quantised.argmax(-1))
+    assert 0 < (dense - quantised).abs().max() < 4
+
+
+@pytest.mark.slow
+def test_on_the_blocks_a_position_s_logits_are_the_same_bits_fed_alone_or_with_others(smol, block_runners):
+    _, blocks = block_runners
+    ids = smol.raw_ids("One, two, three, four, five, six")
+    with torch.inference_mode():
+        together = blocks.forward(ids, range(blocks.n_layers), blocks.new_cache(), 0, keep=len(ids))
+        cache, alone = blocks.new_cache(), []
+        for i in range(len(ids)):
+            alone.append(blocks.forward(ids[i : i + 1], range(blocks.n_layers), cache, i, keep=1))
+    assert torch.equal(torch.cat(alone), together)
+
+
+@pytest.mark.slow
+def test_drafting_on_the_blocks_gives_plain_greedy_decoding_s_tokens(smol, block_runners):
+    """Greedy identity on this runner: suffix drafts (a repeated sentence) verified in batches give the tokens of one
+    position at a time."""
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+    from helpers import run
+
+    _, blocks = block_runners
+    prompt = smol.chat_ids([{"role": "user", "content": "Repeat exactly: the sea is calm, the sea is deep, the sea is calm."}])
+    replies = {}
+    for mode in ("off", "suffix"):
+        state = TargetState(smol.model)
+        state.lean = blocks
+        ids, records = run(smol.model, build_drafter(mode, smol.model), prompt, k=4, params=SamplingParams(0.0),
+                           max_new_tokens=32, state=state)
+        replies[mode] = ids
+        if mode == "suffix":
+            assert sum(r.drafted for r in records) > 0  # it drafted, and the verifies fed several positions
+    assert replies["suffix"] == replies["off"]

@@ -192,6 +192,9 @@ def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | N
     or int8 weights (x float32) take the kernel MAX_ROWS rows at a time whatever the rows: every pass streams the
     narrow weights, which costs less than widening them all to float32 for one GEMM (a draft catching up on a
     prompt)."""
+    if isinstance(w, GGUFWeights):
+        y = gguf_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])  # [..., S, N]
+        return y + b if b is not None else y
     if isinstance(w, Int8Weights) or (w.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return _draft_linear(x, w, b)
     if not usable(x, w) or (b is not None and b.dtype != torch.float32):
@@ -227,6 +230,7 @@ def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tenso
 # ---------------------------------------------------------------- a GGUF file's own blocks
 
 GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # what gguf_linear multiplies (ggml's type ids)
+GGUF_KIND = 100  # the C layer's weight kind for them: GGUF_KIND + the type id
 
 
 @dataclass(frozen=True)
@@ -299,8 +303,8 @@ class LayerWeights(ctypes.Structure):
 
 def layer_weights(block, shape) -> "LayerWeights | None":
     """The C struct for a runner's Block (engine/runner.py) and Shape, or None where the C layer does not reproduce
-    it: another activation than SiLU, a replaced MLP (lowrank), weights other than float32 / bfloat16 / Int8Weights,
-    norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
+    it: another activation than SiLU, a replaced MLP (lowrank), weights other than float32 / bfloat16 / Int8Weights /
+    GGUFWeights, norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
     if not layer_usable() or block.mlp is not None or type(block.act).__name__ not in SILU:
         return None
     if shape.head_dim > 512 or shape.n_heads % shape.n_kv_heads:  # the C code's limits
@@ -315,6 +319,9 @@ def layer_weights(block, shape) -> "LayerWeights | None":
         if isinstance(w, Int8Weights):
             L.w[m], L.scale[m], L.kind[m] = w.q.data_ptr(), w.scale.data_ptr(), 1
             L.tensors += [w.q, w.scale]
+        elif isinstance(w, GGUFWeights) and gguf_usable(w) and w.blocks.is_contiguous():
+            L.w[m], L.kind[m] = w.blocks.data_ptr(), GGUF_KIND + GGUF_TYPES[w.type]
+            L.tensors.append(w.blocks)
         elif w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
             L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
             L.tensors.append(w)

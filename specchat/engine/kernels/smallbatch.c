@@ -206,12 +206,23 @@ struct layer {
     const void *w[4];                          /* qkv [(H + 2 Hkv) hd, D], o [D, H hd], gate_up [2 I, D], down [D, I] */
     const float *scale[4];                     /* int8 weights' scale per output row, else null */
     const float *bias[4];                      /* or null */
-    int kind[4];                               /* F32, BF16 or INT8 */
+    int kind[4];                               /* F32, BF16, INT8 or GGUF_KIND + a ggml type */
     long D, H, Hkv, hd, I;
     float eps, qk_eps, attn_scale;
 };
 
+int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
+                int reference);
+#define GGUF_KIND 100 /* kind GGUF_KIND + ggml type: a GGUF file's blocks (gguf_linear, below) */
+
 static int linear_of(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, int threads) {
+    if (L->kind[m] > GGUF_KIND) {
+        if (gguf_linear(x, (const unsigned char *)L->w[m], L->kind[m] - GGUF_KIND, y, S, N, D, threads, 0)) return -1;
+        if (L->bias[m])
+            for (long s = 0; s < S; s++)
+                for (long n = 0; n < N; n++) y[s * N + n] += L->bias[m][n];
+        return 0;
+    }
     if (L->kind[m] == F32) return smallbatch_linear(x, (const float *)L->w[m], L->bias[m], y, S, N, D, threads);
     if (L->kind[m] == BF16) return smallbatch_linear_bf16(x, (const unsigned short *)L->w[m], L->bias[m], y, S, N, D, threads);
     if (L->kind[m] == INT8) return smallbatch_linear_int8(x, (const signed char *)L->w[m], L->scale[m], L->bias[m], y, S, N, D, threads);
