@@ -186,3 +186,60 @@ def test_drafting_on_the_blocks_gives_plain_greedy_decoding_s_tokens(smol, block
         if mode == "suffix":
             assert sum(r.drafted for r in records) > 0  # it drafted, and the verifies fed several positions
     assert replies["suffix"] == replies["off"]
+
+
+class BlocksConditionals:
+    """p(. | prompt + prefix) from a runner on blocks, for specchat.verify's tests: the runner's own distribution
+    (a position's logits do not depend on the positions fed with it, so one forward gives every prefix's)."""
+
+    def __init__(self, runner, prompt, params) -> None:
+        self.runner, self.prompt, self.params = runner, list(prompt), params
+
+    def many(self, sequences):
+        from specchat.engine.sampling import logits_to_probs
+
+        for seq in (s for s in sequences if s):
+            with torch.inference_mode():
+                ids = self.prompt + list(seq[:-1])
+                logits = self.runner.forward(ids, range(self.runner.n_layers), self.runner.new_cache(), 0, keep=len(seq))
+            yield seq, logits_to_probs(logits, self.params)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken):
+    """A tiny Llama whose every matrix is Q4_1 blocks (dims of 64: whole blocks), drafted by a bigram table with a q of
+    its own, K=3 and draws of K+1 tokens, position by position against the blocks model's exact conditionals: the
+    exact rule passes; a q reported at the wrong temperature from draft position 3 fails there."""
+    from helpers import ALPHA, PROMPT, ReportsWrongQ, assert_drafted_up_to, bigram_draft, tiny_llama
+    from specchat.engine.drafters.model import ModelDrafter
+    from specchat.engine.loop import Controls
+    from specchat.engine.metrics import Stats
+    from specchat.engine.runner import lean_runner
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+    from specchat.verify import conditional_tests, sample_continuations
+
+    model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
+
+    def q4_1(w: torch.Tensor) -> GGUFWeights:
+        blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        return GGUFWeights(torch.from_numpy(blocks), "Q4_1", tuple(w.shape))
+
+    blocks = lean_runner(model).with_weights(q4_1)
+    assert isinstance(blocks.blocks[0].qkv_w, GGUFWeights)
+    state = TargetState(model)
+    state.lean = blocks
+    params = SamplingParams(1.0)
+    drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
+    if broken:
+        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
+    stats = Stats()
+    counts = sample_continuations(state, PROMPT, Controls(drafter, k=3, sampling=params), draws=5000, length=4, eos_ids=set(),
+                                  generator=torch.Generator().manual_seed(0), stats=stats)
+    positions, _, _ = conditional_tests(counts, BlocksConditionals(blocks, PROMPT, params), 4)
+    p_value = min(1.0, 4 * min(p["combined_p"] for p in positions))
+    assert_drafted_up_to(stats, 3)
+    if broken:
+        assert p_value < 1e-6 and min(positions, key=lambda p: p["combined_p"])["position"] == 3, positions
+    else:
+        assert p_value >= ALPHA, positions
