@@ -116,7 +116,7 @@ PATH = re.compile(r"(?<![\w/.-])((?:specchat|tests|benchmarks|docs)/[\w./*-]*\w|
 def test_every_file_the_repository_mentions_exists():
     """Comments, docstrings and docs name files of this repository only (nothing outside it)."""
     sources = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*"),
-               ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+               ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     missing = []
     for source in sources:
         if source.is_dir() or source.suffix not in (".py", ".md", ".sh"):
