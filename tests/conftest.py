@@ -96,3 +96,11 @@ def smol_greedy(smol):
         return replies[key][:n]
 
     return hf_greedy
+
+
+@pytest.fixture
+def keep_threads():
+    """Commands run in this process may set torch's threads (--threads): put the tests' setting back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

@@ -42,14 +42,6 @@ def endless(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def keep_threads():
-    """Commands run in this process may set torch's threads (--threads): put the tests' setting back."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- start-up: no torch before it is needed
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from helpers import FakeSession, run_env, tiny_llama, write_gguf
@@ -35,13 +34,6 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(folder))
     return folder
-
-
-@pytest.fixture
-def keep_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
