@@ -136,8 +136,7 @@ class Entry:
 
     @property
     def base(self) -> str | None:
-        m = MODEL_NAME.match(self.name)
-        return m["base"] if m and self.path.parent == models_dir() else None
+        return _base_of(self.path) if self.path.parent == models_dir() else None
 
 
 def _measure(path: Path) -> tuple[int, float]:
