@@ -1,13 +1,21 @@
 """A GGUF file's header, read without its tensors and without torch: the start-up checks refuse a file that is not
-GGUF or was cut short in one line, before a loader fails deep inside on it."""
+GGUF or was cut short in one line, before a loader fails deep inside on it; the lean runner reads the file's
+weights in place from what it lists (engine/gguf_model.py)."""
 
 from __future__ import annotations
 
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    type: int  # ggml's type id (gguf.GGMLQuantizationType)
+    shape: tuple[int, ...]  # innermost first, as GGUF lists it: a matrix [N, D] is (D, N)
+    offset: int  # where its data starts in the file
 
 
 @dataclass
@@ -15,6 +23,8 @@ class Header:
     file_type: str | None  # general.file_type as llama.cpp names it (Q4_K_M, F16, F32)
     needed: int | None  # the bytes the tensors reach to (None: a tensor type this gguf package does not know)
     size: int  # the file's
+    metadata: dict = field(default_factory=dict)  # key -> value, for the numbers and strings (arrays left out)
+    tensors: dict = field(default_factory=dict)  # name -> TensorInfo
 
 
 def read(path: Path) -> Header:
@@ -23,8 +33,10 @@ def read(path: Path) -> Header:
     import gguf
 
     kinds = gguf.GGUFValueType
-    sizes = {kinds.UINT8: 1, kinds.INT8: 1, kinds.BOOL: 1, kinds.UINT16: 2, kinds.INT16: 2, kinds.UINT32: 4, kinds.INT32: 4,
-             kinds.FLOAT32: 4, kinds.UINT64: 8, kinds.INT64: 8, kinds.FLOAT64: 8}
+    formats = {kinds.UINT8: "B", kinds.INT8: "b", kinds.BOOL: "?", kinds.UINT16: "H", kinds.INT16: "h", kinds.UINT32: "I",
+               kinds.INT32: "i", kinds.FLOAT32: "f", kinds.UINT64: "Q", kinds.INT64: "q", kinds.FLOAT64: "d"}
+    sizes = {kind: struct.calcsize(fmt) for kind, fmt in formats.items()}
+    metadata, tensors = {}, {}
     size = path.stat().st_size
     with open(path, "rb") as f:
         first = f.read(4)
@@ -77,14 +89,20 @@ def read(path: Path) -> Header:
                         file_type = "F32" if name == "ALL_F32" else name and name.removeprefix("MOSTLY_")
                     elif key == b"general.alignment":
                         alignment = one("I") or 32
+                    elif kind in formats:
+                        metadata[key.decode()] = one(formats[kind])
+                    elif kind == kinds.STRING:
+                        length = one()
+                        metadata[key.decode()], at = data[at:at + length].decode("utf-8", "replace"), at + length
                     else:
                         skip(kind)
                 end, known = 0, True
                 for _ in range(n_tensors):
                     length = one()  # the name's
-                    at += length
+                    name, at = data[at:at + length].decode("utf-8", "replace"), at + length
                     shape = take(f"{one('I')}Q")
                     kind, offset = take("IQ")
+                    tensors[name] = (kind, shape, offset)
                     block, nbytes = gguf.GGML_QUANT_SIZES.get(kind, (0, 0))
                     known = known and block > 0
                     end = max(end, offset + math.prod(shape) // max(block, 1) * nbytes)
@@ -94,7 +112,8 @@ def read(path: Path) -> Header:
                 raise ValueError(f"{path} is truncated or damaged: its header breaks off or holds values no GGUF "
                                  f"reader knows ({size:,} bytes)") from None
     data_start = -(-at // alignment) * alignment  # the header, padded to the alignment
-    return Header(file_type, (data_start + end if n_tensors else at) if known else None, size)
+    tensors = {name: TensorInfo(kind, shape, data_start + offset) for name, (kind, shape, offset) in tensors.items()}
+    return Header(file_type, (data_start + end if n_tensors else at) if known else None, size, metadata, tensors)
 
 
 def problem(path: Path) -> str | None:

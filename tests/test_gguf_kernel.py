@@ -15,7 +15,8 @@ from specchat.engine import smallbatch
 from specchat.engine.smallbatch import GGUFWeights, gguf_linear
 from specchat.models import default_gguf
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where a K-quant super-block keeps its float16 scales
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,8 +26,19 @@ def kernel(tmp_path_factory):
 
 
 def quantised(kind: str, n: int = 40, d: int = 96, seed: int = 0) -> GGUFWeights:
-    w = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
-    return GGUFWeights(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind, (n, d))
+    """Rows of `kind` blocks: Gaussian weights quantised by the gguf package, or, for the K-quants (which it can only
+    dequantise), random super-blocks with scales of a sensible size (every bit pattern of the rest is a valid one).
+    The K-quants take rows of 256: d is rounded up to that."""
+    rng = np.random.default_rng(seed)
+    if kind not in SCALES:
+        w = rng.standard_normal((n, d)).astype(np.float32)
+        return GGUFWeights(torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])), kind, (n, d))
+    d = -(-d // 256) * 256
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+    blocks = rng.integers(0, 256, (n, d // 256, size), dtype=np.uint8)
+    for at in SCALES[kind]:
+        blocks[:, :, at : at + 2] = rng.uniform(0.002, 0.02, (n, d // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return GGUFWeights(torch.from_numpy(blocks.reshape(n, -1)), kind, (n, d))
 
 
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -41,7 +53,7 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_product_is_the_dequantised_weights_times_x_within_the_rounding_of_x(kind):
     w = quantised(kind)
-    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(7, w.shape[1], generator=torch.Generator().manual_seed(1))
     exact = x.double() @ w.float().double().T  # [S, N]: the gguf package's own dequantisation, float64
     error = (gguf_linear(x, w).double() - exact).abs()
     assert (error <= rounding_bound(x, w.float()) + 1e-4).all()
@@ -51,18 +63,18 @@ def test_the_product_is_the_dequantised_weights_times_x_within_the_rounding_of_x
 @pytest.mark.parametrize("kind", TYPES)
 def test_a_row_is_the_same_bits_whatever_positions_come_with_it(kind):
     w = quantised(kind, n=64, d=128)
-    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(2))
     together = gguf_linear(x, w)
     for s in (1, 2, 5, 9, 16):
         assert torch.equal(gguf_linear(x[:s], w), together[:s])
     assert torch.equal(torch.cat([gguf_linear(x[i : i + 1], w) for i in range(16)]), together)
 
 
-@pytest.mark.parametrize("d", [96, 256])  # an odd number of blocks too: the 512-bit path's last block goes alone
+@pytest.mark.parametrize("d", [96, 512])  # an odd number of blocks too: the 512-bit path's last block goes alone
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_simd_path_gives_the_plain_c_path_s_bits_and_threads_change_nothing(kind, d, monkeypatch):
     w = quantised(kind, n=100, d=d, seed=3)
-    x = torch.randn(5, d, generator=torch.Generator().manual_seed(3)) * 4
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(3)) * 4
     simd = gguf_linear(x, w)
     assert torch.equal(simd, gguf_linear(x, w, reference=True))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -91,9 +103,11 @@ def test_the_default_model_s_own_matrices_read_in_place_from_its_file():
 def test_a_type_it_does_not_take_is_refused():
     w = quantised("Q4_1")
     with pytest.raises(ValueError):
-        gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q6_K", w.shape))
+        gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q3_K", w.shape))
     with pytest.raises(ValueError):
         gguf_linear(torch.randn(1, 40), GGUFWeights(w.blocks, "Q4_1", (96, 40)))
+    with pytest.raises(ValueError):  # a K-quant row is whole super-blocks of 256
+        gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q6_K", w.shape))
 
 
 def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(tmp_path):
@@ -113,12 +127,13 @@ def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
     for kind in TYPES:
         w = quantised(kind, n=48, d=96, seed=6)
-        x = torch.randn(5, 96, generator=torch.Generator().manual_seed(6))
+        D = w.shape[1]
+        x = torch.randn(5, D, generator=torch.Generator().manual_seed(6))
         out = {}
         for reference in (0, 1):
             for rows in (5, 1):
                 y = torch.empty(rows, 48)
-                assert fn(x.data_ptr(), w.blocks.data_ptr(), smallbatch.GGUF_TYPES[kind], y.data_ptr(), rows, 48, 96, 2, reference) == 0
+                assert fn(x.data_ptr(), w.blocks.data_ptr(), smallbatch.GGUF_TYPES[kind], y.data_ptr(), rows, 48, D, 2, reference) == 0
                 out[reference, rows] = y
         assert torch.equal(out[0, 5], out[1, 5]) and torch.equal(out[0, 5][:1], out[0, 1])
         error = (out[0, 5].double() - x.double() @ w.float().double().T).abs()
@@ -142,7 +157,8 @@ def test_the_runner_on_the_file_s_blocks_is_the_float32_model_within_x_s_roundin
     order): the same next tokens as the float32 conversion on a sentence, logits within 4 of it (seen: 1.78 of ~31;
     the int8 rounding of x compounds over 30 layers); the C layer runs it (kind GGUF)."""
     runner, blocks = block_runners
-    assert isinstance(blocks.blocks[0].qkv_w, GGUFWeights) and blocks.blocks[0].qkv_w.type == "Q4_1"
+    qkv = blocks.blocks[0].qkv_w  # q, k and v read where the file keeps them
+    assert isinstance(qkv, smallbatch.GGUFStack) and [p.type for p in qkv.parts] == ["Q4_1"] * 3
     assert isinstance(blocks.head_w, GGUFWeights) and blocks.head_w.type == "Q8_0"  # tied: the embedding's blocks
     ids = smol.raw_ids("The quick brown fox jumps over the lazy dog. The capital of France is")
     with torch.inference_mode():

@@ -148,23 +148,35 @@ class Runner:
 
     def __init__(self, model) -> None:
         config, inner = model.config, model.model
-        self.model = model
-        self.rotary_emb = inner.rotary_emb
-        self.embed_w = inner.embed_tokens.weight  # [V, D]
-        self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.lm_head = model.get_output_embeddings()
-        self.head_w = self.lm_head.weight  # [V, D]; the same tensor as embed_w when tied
         attn0 = inner.layers[0].self_attn
-        self.head_dim = attn0.head_dim
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.n_rep = self.n_heads // self.n_kv_heads
-        self.scale = attn0.scaling
-        self.shape = Shape(self.n_heads, self.n_kv_heads, self.head_dim, self.scale)
-        self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
-        self.blocks = [self._block(layer) for layer in inner.layers]
-        self.n_layers = len(self.blocks)
-        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)  # [P, hd]
+        shape = Shape(config.num_attention_heads, config.num_key_value_heads, attn0.head_dim, attn0.scaling)
+        embed_w = inner.embed_tokens.weight  # [V, D]
+        self._setup(inner.rotary_emb, embed_w, inner.norm.weight, inner.norm.variance_epsilon,
+                    model.get_output_embeddings().weight, [self._block(layer) for layer in inner.layers], shape,
+                    embed_w.dtype, embed_w.device)
+        self.model = model
+
+    @classmethod
+    def of_weights(cls, rotary_emb, embed_w, norm_w, norm_eps: float, head_w, blocks: list[Block], shape: "Shape") -> "Runner":
+        """A runner on weights that no HF model holds (a GGUF file read in place, engine/gguf_model.py): float32 on
+        the CPU; `model` is None."""
+        runner = cls.__new__(cls)
+        runner._setup(rotary_emb, embed_w, norm_w, norm_eps, head_w, blocks, shape, torch.float32, torch.device("cpu"))
+        runner.model = None
+        return runner
+
+    def _setup(self, rotary_emb, embed_w, norm_w, norm_eps, head_w, blocks, shape, dtype, device) -> None:
+        self.rotary_emb = rotary_emb
+        self.embed_w = embed_w  # [V, D], or a GGUF file's blocks (rows looked up as needed)
+        self.norm_w, self.norm_eps = norm_w, norm_eps
+        self.head_w = head_w  # [V, D]; the same tensor as embed_w when tied
+        self.shape = shape
+        self.head_dim, self.n_heads, self.n_kv_heads = shape.head_dim, shape.n_heads, shape.n_kv_heads
+        self.n_rep, self.scale = shape.n_rep, shape.scale
+        self.dtype, self.device = dtype, device
+        self.blocks = blocks
+        self.n_layers = len(blocks)
+        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)  # [P, hd]
         self._fused, self._fused_for = None, None  # the C layers' weights, and the blocks they were built for
 
     @staticmethod
@@ -228,10 +240,7 @@ class Runner:
             return w
 
         def joined(parts):  # [q; k; v] or [gate; up], as fuse_rows stacks the HF matrices
-            if any(p is None or p.type != parts[0].type for p in parts):
-                return None
-            return smallbatch.GGUFWeights(torch.cat([p.blocks for p in parts]), parts[0].type,
-                                          (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+            return None if None in parts else smallbatch.GGUFStack(tuple(parts))
 
         other, blocks = copy.copy(self), []
         for i, b in enumerate(self.blocks):
@@ -265,7 +274,8 @@ class Runner:
         end = past + q_len
         if self.cos.shape[0] < end:
             positions = torch.arange(-(-end // CHUNK) * CHUNK, device=self.device)[None]  # [1, P]
-            cos, sin = self.rotary_emb(self.embed_w[:1][None], position_ids=positions)  # each [1, P, hd], model dtype
+            carrier = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # (the module reads its dtype and device)
+            cos, sin = self.rotary_emb(carrier, position_ids=positions)  # each [1, P, hd], model dtype
             half = self.head_dim // 2
             self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self.cos[past:end][None, :, None], self.sin[past:end][None, :, None]
@@ -281,7 +291,10 @@ class Runner:
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D]."""
-        return F.embedding(torch.tensor([ids], dtype=torch.long, device=self.device), self.embed_w)
+        ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        if isinstance(self.embed_w, smallbatch.GGUFWeights):
+            return self.embed_w.rows(ids)[None]
+        return F.embedding(ids, self.embed_w)
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache: KVCache | None, past: int) -> torch.Tensor:

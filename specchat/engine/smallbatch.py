@@ -11,8 +11,9 @@ where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torc
 its ~20 small eager ops (RMSNorms, RoPE, SDPA, adds) cost about 9 ms of a default-model step on the reference CPU,
 the C code microseconds.
 
-`gguf_linear` multiplies a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, read in place, for 1-16 positions (x rounded to
-int8 per block of 32, as llama.cpp does): the weights a quantised model streams, with no float32 copy.
+`gguf_linear` multiplies a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K), read in place, for 1-16 positions (x rounded to int8 per block of 32, as llama.cpp does): the weights a
+quantised model streams, with no float32 copy.
 
 Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
 (`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
@@ -192,8 +193,10 @@ def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | N
     or int8 weights (x float32) take the kernel MAX_ROWS rows at a time whatever the rows: every pass streams the
     narrow weights, which costs less than widening them all to float32 for one GEMM (a draft catching up on a
     prompt)."""
-    if isinstance(w, GGUFWeights):
-        y = gguf_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])  # [..., S, N]
+    if isinstance(w, (GGUFWeights, GGUFStack)):
+        x2 = x.reshape(-1, x.shape[-1])  # [S, D]
+        parts = w.parts if isinstance(w, GGUFStack) else (w,)
+        y = torch.cat([gguf_linear(x2, part) for part in parts], dim=-1).view(*x.shape[:-1], w.shape[0])  # [..., S, N]
         return y + b if b is not None else y
     if isinstance(w, Int8Weights) or (w.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return _draft_linear(x, w, b)
@@ -229,14 +232,15 @@ def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tenso
 
 # ---------------------------------------------------------------- a GGUF file's own blocks
 
-GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # what gguf_linear multiplies (ggml's type ids)
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type ids
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}  # super-blocks of 256 weights: a row's length a multiple of 256
 GGUF_KIND = 100  # the C layer's weight kind for them: GGUF_KIND + the type id
 
 
 @dataclass(frozen=True)
 class GGUFWeights:
-    """A matrix w [N, D] as a GGUF file stores it: N rows of blocks of 32 weights (Q4_0, Q4_1 or Q8_0), read in
-    place (`blocks` may be a view of the memory-mapped file): no float32 copy, 4.5-8.5 bits a weight to stream."""
+    """A matrix w [N, D] as a GGUF file stores it: N rows of blocks (GGUF_TYPES), read in place (`blocks` may be a
+    view of the memory-mapped file): no float32 copy, 4.5-8.5 bits a weight to stream."""
 
     blocks: torch.Tensor  # [N, D / 32 * block bytes] uint8
     type: str
@@ -261,16 +265,39 @@ class GGUFWeights:
         data = self.blocks.numpy()
         return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[self.type]).reshape(self.shape).copy())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [S] dequantised by the gguf package: [S, D] float32 (an embedding looked up in the file)."""
+        import gguf
+
+        data = self.blocks[ids.reshape(-1).cpu()].numpy()  # [S, row bytes]
+        return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[self.type]).reshape(-1, self.shape[1]))
+
+
+@dataclass(frozen=True)
+class GGUFStack:
+    """A matrix stacked from GGUF matrices, each in its own type ([q; k; v], [gate; up]): read where the file keeps
+    them, with no fused copy (a Q4_K_M file keeps V in Q6_K beside Q4_K Q and K)."""
+
+    parts: tuple[GGUFWeights, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    def float(self) -> torch.Tensor:
+        return torch.cat([p.float() for p in self.parts])  # [N, D]
+
 
 def gguf_usable(w: GGUFWeights) -> bool:
-    return _fn_gguf is not None and w.type in GGUF_TYPES and w.shape[1] % 32 == 0
+    return _fn_gguf is not None and w.type in GGUF_TYPES and w.shape[1] % (256 if w.type in K_QUANTS else 32) == 0
 
 
 def gguf_linear(x: torch.Tensor, w: GGUFWeights, reference: bool = False) -> torch.Tensor:
     """x [S, D] float32 @ w^T -> [S, N] float32 in the kernel (x rounded to int8 per block of 32: llama.cpp's
     arithmetic), MAX_ROWS rows at a time; `reference`: the same arithmetic in plain C, for the tests."""
     if not gguf_usable(w):
-        raise ValueError(f"gguf_linear takes {', '.join(GGUF_TYPES)} rows of a multiple of 32 with the kernel loaded")
+        raise ValueError(f"gguf_linear takes {', '.join(GGUF_TYPES)} rows (a multiple of 32 weights, of 256 for the "
+                         "K-quants) with the kernel loaded")
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [S, D]
     N, D = w.shape
     blocks = w.blocks.contiguous()
@@ -298,13 +325,14 @@ class LayerWeights(ctypes.Structure):
         ("w", ctypes.c_void_p * 4), ("scale", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p * 4), ("kind", ctypes.c_int * 4),
         ("D", ctypes.c_long), ("H", ctypes.c_long), ("Hkv", ctypes.c_long), ("hd", ctypes.c_long), ("I", ctypes.c_long),
         ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+        ("part_w", (ctypes.c_void_p * 3) * 4), ("part_rows", (ctypes.c_long * 3) * 4), ("part_type", (ctypes.c_int * 3) * 4),
     ]
 
 
 def layer_weights(block, shape) -> "LayerWeights | None":
     """The C struct for a runner's Block (engine/runner.py) and Shape, or None where the C layer does not reproduce
     it: another activation than SiLU, a replaced MLP (lowrank), weights other than float32 / bfloat16 / Int8Weights /
-    GGUFWeights, norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
+    GGUFWeights / GGUFStack, norms or biases not float32. The struct keeps the tensors it points into alive (`tensors`)."""
     if not layer_usable() or block.mlp is not None or type(block.act).__name__ not in SILU:
         return None
     if shape.head_dim > 512 or shape.n_heads % shape.n_kv_heads:  # the C code's limits
@@ -322,6 +350,10 @@ def layer_weights(block, shape) -> "LayerWeights | None":
         elif isinstance(w, GGUFWeights) and gguf_usable(w) and w.blocks.is_contiguous():
             L.w[m], L.kind[m] = w.blocks.data_ptr(), GGUF_KIND + GGUF_TYPES[w.type]
             L.tensors.append(w.blocks)
+        elif isinstance(w, GGUFStack) and len(w.parts) <= 3 and all(gguf_usable(p) and p.blocks.is_contiguous() for p in w.parts):
+            for i, part in enumerate(w.parts):
+                L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = part.blocks.data_ptr(), part.shape[0], GGUF_TYPES[part.type]
+                L.tensors.append(part.blocks)
         elif w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
             L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
             L.tensors.append(w)

@@ -209,15 +209,29 @@ struct layer {
     int kind[4];                               /* F32, BF16, INT8 or GGUF_KIND + a ggml type */
     long D, H, Hkv, hd, I;
     float eps, qk_eps, attn_scale;
+    /* A GGUF matrix stacked from parts of their own types (a Q4_K_M file keeps V in Q6_K beside Q4_K Q and K), read
+       in place: part p of matrix m is part_rows[m][p] rows (0: no such part; none: w[m] is the matrix) of ggml type
+       part_type[m][p] at part_w[m][p]. */
+    const void *part_w[4][3];
+    long part_rows[4][3];
+    int part_type[4][3];
 };
 
-int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
-                int reference);
+int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y, long ldy, long S, long N, long D,
+                     int threads, int reference);
 #define GGUF_KIND 100 /* kind GGUF_KIND + ggml type: a GGUF file's blocks (gguf_linear, below) */
 
 static int linear_of(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, int threads) {
-    if (L->kind[m] > GGUF_KIND) {
-        if (gguf_linear(x, (const unsigned char *)L->w[m], L->kind[m] - GGUF_KIND, y, S, N, D, threads, 0)) return -1;
+    if (L->part_rows[m][0] || L->kind[m] > GGUF_KIND) {
+        if (L->part_rows[m][0]) { /* each part into its columns of y */
+            long at = 0;
+            for (int p = 0; p < 3 && L->part_rows[m][p]; at += L->part_rows[m][p], p++)
+                if (gguf_linear_into(x, (const unsigned char *)L->part_w[m][p], L->part_type[m][p], y + at, N, S,
+                                     L->part_rows[m][p], D, threads, 0)) return -1;
+            if (at != N) return -1;
+        } else if (gguf_linear_into(x, (const unsigned char *)L->w[m], L->kind[m] - GGUF_KIND, y, N, S, N, D, threads, 0)) {
+            return -1;
+        }
         if (L->bias[m])
             for (long s = 0; s < S; s++)
                 for (long n = 0; n < N; n++) y[s * N + n] += L->bias[m][n];
@@ -429,22 +443,24 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------------------------
-   GGUF's own blocks (issue 52): y[S, N] = x[S, D] @ w[N, D]^T where w's rows are Q4_0, Q4_1 or Q8_0 blocks of 32
-   weights exactly as the file stores them (read in place from the memory-mapped file: no float32 copy). Each row
-   of x is first rounded to int8 in blocks of 32 with a scale per block (amax / 127, as llama.cpp's q8_0/q8_1).
-   Then every weight block is decoded once into 32 bytes and multiplied into each of the S rows' int8 blocks:
-   lane l holds the integer sum of products 4l..4l+3 of a block (AVX-512 VNNI dpbusd on two blocks at once, 16
-   lanes; AVX-VNNI dpbusd or AVX2 maddubs + madd on one, 8 lanes: the same integers, no sum can saturate), scaled
-   by d_w * d_x and fused-multiply-added into that row's float lanes, block after block; the lanes are summed in
-   one fixed tree at the end. So a row's
-   result is the same whatever S, the thread count and the SIMD path; gguf_linear's `reference` runs the same
-   arithmetic in plain C (the tests compare them bit for bit). Q4_1's offset m adds m * d_x * sum(x_q) per block,
-   in block order, in both. */
+   GGUF's own blocks (issue 52): y[S, N] = x[S, D] @ w[N, D]^T where w's rows are blocks exactly as the file stores
+   them (read in place from the memory-mapped file: no float32 copy): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 weights a
+   block) and the K-quants Q4_K, Q5_K, Q6_K (256 weights a super-block, a scale per 32 or 16 of them). Each row of x is
+   first rounded to int8 in blocks of 32 with a scale per block (amax / 127, llama.cpp's q8_0). Every weight type is
+   then read as blocks of 32: 32 integers q (signed, or unsigned where the type has an offset), a float scale for
+   weights 0-15 and one for 16-31 (they differ only in Q6_K), and an offset: w = scale * q + offset. Each weight
+   block is decoded once into 32 bytes and multiplied into each of the S rows' int8 blocks: lane l holds the integer
+   sum of products 4l..4l+3 (AVX-512 VNNI dpbusd on two blocks at once, 16 lanes; AVX-VNNI dpbusd or AVX2 maddubs +
+   madd on one, 8 lanes: the same integers, no sum can saturate), multiplied by its scale * d_x and fused-multiply-
+   added into that row's float lanes, block after block; the lanes are summed in one fixed tree at the end, the
+   offsets (offset * d_x * sum(x_q) per block) in block order beside them. So a row's result is the same whatever S,
+   the thread count and the SIMD path; gguf_linear's `reference` runs the same arithmetic in plain C (the tests
+   compare them bit for bit). */
 
 #include <stdlib.h>
 
 #define QK 32
-enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml's type ids */
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
 /* float lanes a row's sums are kept in: 16 with AVX-512 VNNI (two blocks an instruction: lanes 0-7 the even block of
    a pair, 8-15 the odd one; a last odd block in lanes 0-7), else 8; the plain C path keeps the same lanes */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -469,30 +485,101 @@ static inline float half_to_float(unsigned short h) {
 #endif
 }
 
-static long block_bytes(int type) {
-    return type == GGUF_Q4_0 ? 18 : type == GGUF_Q4_1 ? 20 : type == GGUF_Q8_0 ? 34 : 0;
+static inline float f16_at(const unsigned char *p) {
+    unsigned short h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
 }
 
-/* One weight block: its scale d, Q4_1's offset m, and its 32 weights as bytes (Q4_1: 0..15 unsigned; Q4_0: q - 8
-   and Q8_0: q, signed). */
-static inline void decode_scalar(int type, const unsigned char *b, signed char q[QK], float *d, float *m) {
-    unsigned short h;
-    memcpy(&h, b, 2);
-    *d = half_to_float(h);
-    *m = 0.0f;
+static inline int k_quant(int type) { return type >= GGUF_Q4_K; }
+
+/* bytes of one block (32 weights) or super-block (256, the K-quants); 0 for a type not taken */
+static long block_bytes(int type) {
+    switch (type) {
+    case GGUF_Q4_0: return 18;
+    case GGUF_Q4_1: return 20;
+    case GGUF_Q5_0: return 22;
+    case GGUF_Q5_1: return 24;
+    case GGUF_Q8_0: return 34;
+    case GGUF_Q4_K: return 144;
+    case GGUF_Q5_K: return 176;
+    case GGUF_Q6_K: return 210;
+    }
+    return 0;
+}
+
+static inline int unsigned_weights(int type) { /* q in 0..31 with an offset; the others are signed, offset 0 */
+    return type == GGUF_Q4_1 || type == GGUF_Q5_1 || type == GGUF_Q4_K || type == GGUF_Q5_K;
+}
+
+/* where block b (of 32 weights) of a row starts: its block, or its super-block (b % 8 says which 32 of it) */
+static inline const unsigned char *block_at(int type, const unsigned char *row, long b) {
+    return k_quant(type) ? row + (b / 8) * block_bytes(type) : row + b * block_bytes(type);
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j, packed in 12 bytes (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int j, const unsigned char *q, int *d, int *m) {
+    if (j < 4) {
+        *d = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* A unit: blocks u0..u0+n-1 of a row (n <= 8), a K-quant super-block or up to 8 blocks of a 32-weight type, read
+   once for all positions: block j's weights 0-15 scale by lh[2j], 16-31 by lh[2j+1] (they differ only in Q6_K), and
+   it adds off[j] to every weight (w = scale * q + offset; 0 for the signed types). */
+static inline void unit_scales(int type, const unsigned char *row, long u0, int n, float lh[16], float off[8]) {
+    if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+        const unsigned char *u = row + (u0 / 8) * block_bytes(type);
+        float d = f16_at(u), dmin = f16_at(u + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            scale_min_k4(j, u + 4, &sc, &m);
+            lh[2 * j] = lh[2 * j + 1] = d * (float)sc;
+            off[j] = -(dmin * (float)m);
+        }
+    } else if (type == GGUF_Q6_K) { /* 16 int8 scales, one per 16 weights */
+        const unsigned char *u = row + (u0 / 8) * block_bytes(type);
+        const signed char *sc = (const signed char *)(u + 192);
+        float d = f16_at(u + 208);
+        for (int i = 0; i < 16; i++) lh[i] = d * (float)sc[i];
+        for (int j = 0; j < 8; j++) off[j] = 0.0f;
+    } else {
+        long bytes = block_bytes(type);
+        for (int j = 0; j < n; j++) {
+            const unsigned char *b = row + (u0 + j) * bytes;
+            lh[2 * j] = lh[2 * j + 1] = f16_at(b);
+            off[j] = unsigned_weights(type) ? f16_at(b + 2) : 0.0f;
+        }
+        for (int j = n; j < 8; j++) lh[2 * j] = lh[2 * j + 1] = off[j] = 0.0f;
+    }
+}
+
+/* block b's 32 integer weights, plain C (the reference, and the path without AVX2) */
+static inline void decode_scalar(int type, const unsigned char *u, int j, int q[QK]) {
     if (type == GGUF_Q8_0) {
-        memcpy(q, b + 2, QK);
-        return;
-    }
-    const unsigned char *qs = b + (type == GGUF_Q4_1 ? 4 : 2);
-    if (type == GGUF_Q4_1) {
-        memcpy(&h, b + 2, 2);
-        *m = half_to_float(h);
-    }
-    int shift = type == GGUF_Q4_0 ? 8 : 0;
-    for (int j = 0; j < 16; j++) {
-        q[j] = (signed char)((qs[j] & 0x0f) - shift);
-        q[j + 16] = (signed char)((qs[j] >> 4) - shift);
+        for (int l = 0; l < QK; l++) q[l] = ((const signed char *)(u + 2))[l];
+    } else if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+        const unsigned char *qs = u + (type == GGUF_Q4_K ? 16 : 48) + 32 * (j / 2), *qh = u + 16;
+        for (int l = 0; l < QK; l++) {
+            q[l] = j % 2 ? qs[l] >> 4 : qs[l] & 0xf;
+            if (type == GGUF_Q5_K) q[l] += ((qh[l] >> j) & 1) << 4;
+        }
+    } else if (type == GGUF_Q6_K) {
+        int g = j % 4;
+        const unsigned char *ql = u + 64 * (j / 4) + 32 * (g % 2), *qh = u + 128 + 32 * (j / 4);
+        for (int l = 0; l < QK; l++) q[l] = ((g >= 2 ? ql[l] >> 4 : ql[l] & 0xf) | (((qh[l] >> 2 * g) & 3) << 4)) - 32;
+    } else { /* Q4_0, Q4_1, Q5_0, Q5_1: 16 bytes of nibbles (weight l low, l + 16 high), Q5's fifth bits in 4 bytes */
+        int five = type == GGUF_Q5_0 || type == GGUF_Q5_1;
+        const unsigned char *qs = u + 2 + 2 * unsigned_weights(type) + 4 * five;
+        unsigned int qh = 0;
+        if (five) memcpy(&qh, u + 2 + 2 * unsigned_weights(type), 4);
+        int shift = type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : 0;
+        for (int l = 0; l < 16; l++) {
+            q[l] = (qs[l] & 0xf) + (int)(((qh >> l) & 1) << 4) - shift;
+            q[l + 16] = (qs[l] >> 4) + (int)(((qh >> (l + 16)) & 1) << 4) - shift;
+        }
     }
 }
 
@@ -535,109 +622,168 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-static inline __m256i decode_simd(int type, const unsigned char *b) {
-    if (type == GGUF_Q8_0)
-        return _mm256_loadu_si256((const __m256i *)(b + 2));
-    __m128i packed = _mm_loadu_si128((const __m128i *)(b + (type == GGUF_Q4_1 ? 4 : 2)));
+static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+static inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
+static inline __m256i nibbles16(const unsigned char *qs) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)qs);
     __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f)), high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
-    __m256i q = _mm256_set_m128i(high, low);
-    return type == GGUF_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
-}
-#endif
-
-static inline float block_scale(const unsigned char *b) {
-    unsigned short h;
-    memcpy(&h, b, 2);
-    return half_to_float(h);
+    return _mm256_set_m128i(high, low);
 }
 
-static inline float block_offset(int type, const unsigned char *b) { /* Q4_1's m; 0 for the others */
-    return type == GGUF_Q4_1 ? block_scale(b + 2) : 0.0f;
+/* 32 bits -> 32 bytes, 0x10 where the bit is set (ggml's bytes_from_bits_32) */
+static inline __m256i fifth_bits(const unsigned char *p) {
+    unsigned int bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-#if defined(__AVX2__)
+/* bits `shift`.. of each byte, masked */
+static inline __m256i byte_bits(__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+
+/* block b's 32 weights as bytes (decode_scalar's integers) */
+static inline __m256i decode_simd(int type, const unsigned char *u, int j) {
+    switch (type) {
+    case GGUF_Q4_0: return _mm256_sub_epi8(nibbles16(u + 2), _mm256_set1_epi8(8));
+    case GGUF_Q4_1: return nibbles16(u + 4);
+    case GGUF_Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles16(u + 6), fifth_bits(u + 2)), _mm256_set1_epi8(16));
+    case GGUF_Q5_1: return _mm256_or_si256(nibbles16(u + 8), fifth_bits(u + 4));
+    case GGUF_Q8_0: return _mm256_loadu_si256((const __m256i *)(u + 2));
+    case GGUF_Q4_K: {
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(u + 16 + 32 * (j / 2)));
+        return j % 2 ? high_nibbles(qs) : low_nibbles(qs);
+    }
+    case GGUF_Q5_K: {
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(u + 48 + 32 * (j / 2)));
+        __m256i high = _mm256_slli_epi16(byte_bits(_mm256_loadu_si256((const __m256i *)(u + 16)), j, 1), 4);
+        return _mm256_or_si256(j % 2 ? high_nibbles(qs) : low_nibbles(qs), high);
+    }
+    default: { /* Q6_K */
+        int g = j % 4;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(u + 64 * (j / 4) + 32 * (g % 2)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(u + 128 + 32 * (j / 4)));
+        __m256i q = _mm256_or_si256(g >= 2 ? high_nibbles(ql) : low_nibbles(ql), _mm256_slli_epi16(byte_bits(qh, 2 * g, 3), 4));
+        return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    }
+    }
+}
+
+/* block j of a unit: its 8 lanes' weight scales (lanes 0-3 cover weights 0-15, lanes 4-7 weights 16-31) */
+static inline __m256 lane_scales(const float lh[16], int j) {
+    return _mm256_set_m128(_mm_set1_ps(lh[2 * j + 1]), _mm_set1_ps(lh[2 * j]));
+}
+
 /* rows n0..n1-1 of y for S positions, S a constant where it is inlined (gguf_rows' switch): each weight block is
    decoded once into a register and multiplied into the S positions' accumulators, which stay in registers */
 static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_d, const float *x_sums,
                                                                  const signed char *xq, const unsigned char *w, int type,
-                                                                 float *y, const long S, long N, long D, long n0, long n1) {
-    long nb = D / QK, bytes = block_bytes(type);
+                                                                 float *y, long ldy, const long S, long D, long n0, long n1) {
+    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
+    int offsets = unsigned_weights(type);
     for (long n = n0; n < n1; n++) {
-        const unsigned char *row = w + n * nb * bytes;
+        const unsigned char *row = w + n * row_bytes;
         __m256 acc[S];
         float offset[S];
         for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = 0.0f;
-        for (long b = 0; b < nb; b++) {
-            const unsigned char *blk = row + b * bytes;
-            __m256i wq = decode_simd(type, blk);
-            __m256i u = type == GGUF_Q4_1 ? wq : _mm256_sign_epi8(wq, wq); /* |w|, and x takes w's sign below */
-            float dw = block_scale(blk), m = block_offset(type, blk);
-            for (long s = 0; s < S; s++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (s * nb + b) * QK));
-                __m256i lanes = dot_u8s8(u, type == GGUF_Q4_1 ? xv : _mm256_sign_epi8(xv, wq));
-                acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * x_d[s * nb + b]), acc[s]);
-                if (type == GGUF_Q4_1) offset[s] = fmaf(m, x_sums[s * nb + b], offset[s]);
+        for (long u0 = 0; u0 < nb; u0 += 8) {
+            int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
+            float lh[16], off[8];
+            unit_scales(type, row, u0, units, lh, off);
+            for (int j = 0; j < units; j++) {
+                long b = u0 + j;
+                __m256i wq = decode_simd(type, block_at(type, row, b), j);
+                __m256i abs_w = offsets ? wq : _mm256_sign_epi8(wq, wq); /* |w|, and x takes w's sign below */
+                __m256 ws = lane_scales(lh, j);
+                for (long s = 0; s < S; s++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (s * nb + b) * QK));
+                    __m256i lanes = dot_u8s8(abs_w, offsets ? xv : _mm256_sign_epi8(xv, wq));
+                    acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(ws, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
+                    if (offsets) offset[s] = fmaf(off[j], x_sums[s * nb + b], offset[s]);
+                }
             }
         }
         for (long s = 0; s < S; s++) {
             float lanes[8];
             _mm256_storeu_ps(lanes, acc[s]);
-            y[s * N + n] = sum_lanes(lanes) + offset[s];
+            y[s * ldy + n] = sum_lanes(lanes) + offset[s];
         }
     }
 }
 #endif
 
 #if GGUF_LANES == 16
-/* Two blocks an instruction. Q4_1's weights are unsigned: dpbusd(w, x). Q4_0's and Q8_0's are signed and AVX-512 has
-   no byte sign instruction: dpbusd(x + 128, w) - 128 * sum(w), the same integers. x_dexp holds each block's scale 8
-   times, so a pair's 16 lane scales are one load. */
+/* blocks b, b+1 of a row (b even; j = b % 8): Q4_K's pair shares one 32-byte load (low nibbles, then high) */
+static inline __m512i decode_pair(int type, const unsigned char *row, long b, int j) {
+    if (type == GGUF_Q4_K) {
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + 16 * j));
+        return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qs), _mm256_srli_epi16(qs, 4), 1), _mm512_set1_epi8(0x0f));
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(decode_simd(type, block_at(type, row, b), j)),
+                              decode_simd(type, block_at(type, row, b + 1), j + 1), 1);
+}
+
+/* Two blocks an instruction. Unsigned weights: dpbusd(w, x). Signed ones (AVX-512 has no byte sign instruction):
+   dpbusd(x + 128, w) - 128 * sum(w), the same integers. x_dexp holds each block's scale 8 times, so a pair's 16 lane
+   scales are one load. */
 static inline __attribute__((always_inline)) void gguf_rows_simd512(const float *x_dexp, const float *x_sums,
                                                                     const signed char *xq, const unsigned char *xu,
                                                                     const unsigned char *w, int type, float *y,
-                                                                    const long S, long N, long D, long n0, long n1) {
-    long nb = D / QK, bytes = block_bytes(type), pairs = nb / 2;
+                                                                    long ldy, const long S, long D, long n0, long n1) {
+    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), pairs = nb / 2;
+    int offsets = unsigned_weights(type);
     const __m512i bias = _mm512_set1_epi8((char)0x80);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* lh[2j..2j+3], 4 lanes each */
     for (long n = n0; n < n1; n++) {
-        const unsigned char *row = w + n * nb * bytes;
+        const unsigned char *row = w + n * row_bytes;
         __m512 acc[S];
         float offset[S];
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = 0.0f;
-        for (long p = 0; p < pairs; p++) {
-            const unsigned char *b0 = row + 2 * p * bytes, *b1 = b0 + bytes;
-            __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(decode_simd(type, b0)), decode_simd(type, b1), 1);
-            __m512 dw = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(block_scale(b0))), _mm256_set1_ps(block_scale(b1)), 1);
-            __m512i correction = type == GGUF_Q4_1 ? _mm512_setzero_si512() : _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq);
-            float m0 = block_offset(type, b0), m1 = block_offset(type, b1);
-            for (long s = 0; s < S; s++) {
-                long at = s * nb + 2 * p;
-                __m512i lanes = type == GGUF_Q4_1
-                    ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xq + at * QK))
-                    : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xu + at * QK), wq), correction);
-                acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw, _mm512_loadu_ps(x_dexp + at * 8)), acc[s]);
-                if (type == GGUF_Q4_1) {
-                    offset[s] = fmaf(m0, x_sums[at], offset[s]);
-                    offset[s] = fmaf(m1, x_sums[at + 1], offset[s]);
+        for (long u0 = 0; u0 < nb; u0 += 8) {
+            int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
+            float lh[16], off[8];
+            unit_scales(type, row, u0, units, lh, off);
+            __m512 scales = _mm512_loadu_ps(lh);
+            for (int j = 0; j + 1 < units; j += 2) { /* a pair: blocks j, j+1 */
+                long b = u0 + j;
+                __m512i wq = decode_pair(type, row, b, j);
+                __m512 ws = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(2 * j)), scales);
+                __m512i correction = offsets ? _mm512_setzero_si512() : _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wq);
+                for (long s = 0; s < S; s++) {
+                    long at = s * nb + b;
+                    __m512i lanes = offsets
+                        ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xq + at * QK))
+                        : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xu + at * QK), wq), correction);
+                    acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(ws, _mm512_loadu_ps(x_dexp + at * 8)), acc[s]);
+                    if (offsets) {
+                        offset[s] = fmaf(off[j], x_sums[at], offset[s]);
+                        offset[s] = fmaf(off[j + 1], x_sums[at + 1], offset[s]);
+                    }
                 }
             }
-        }
-        if (nb % 2) { /* a last odd block: lanes 0-7 only */
-            const unsigned char *blk = row + (nb - 1) * bytes;
-            __m256i wq = decode_simd(type, blk), u = type == GGUF_Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
-            float dw = block_scale(blk), m = block_offset(type, blk);
-            for (long s = 0; s < S; s++) {
-                long at = s * nb + nb - 1;
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
-                __m256i lanes = dot_u8s8(u, type == GGUF_Q4_1 ? xv : _mm256_sign_epi8(xv, wq));
-                __m512 scale = _mm512_castps256_ps512(_mm256_set1_ps(dw * x_dexp[at * 8]));
-                acc[s] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(lanes)), scale, acc[s], 0x00ff);
-                if (type == GGUF_Q4_1) offset[s] = fmaf(m, x_sums[at], offset[s]);
+            if (units % 2) { /* a last odd block (32-weight types only): lanes 0-7 */
+                int j = units - 1;
+                long b = u0 + j;
+                __m256i wq = decode_simd(type, block_at(type, row, b), j), abs_w = offsets ? wq : _mm256_sign_epi8(wq, wq);
+                __m256 ws = lane_scales(lh, j);
+                for (long s = 0; s < S; s++) {
+                    long at = s * nb + b;
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
+                    __m256i lanes = dot_u8s8(abs_w, offsets ? xv : _mm256_sign_epi8(xv, wq));
+                    __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(ws, _mm256_set1_ps(x_dexp[at * 8])));
+                    acc[s] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(lanes)), scale, acc[s], 0x00ff);
+                    if (offsets) offset[s] = fmaf(off[j], x_sums[at], offset[s]);
+                }
             }
         }
         for (long s = 0; s < S; s++) {
             float lanes[16];
             _mm512_storeu_ps(lanes, acc[s]);
-            y[s * N + n] = sum_lanes(lanes) + offset[s];
+            y[s * ldy + n] = sum_lanes(lanes) + offset[s];
         }
     }
 }
@@ -646,37 +792,37 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
 /* The same arithmetic in plain C, position by position, in the same lanes (the tests' reference; the path
    without AVX2) */
 static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w,
-                            int type, float *y, long S, long N, long D, long n0, long n1) {
-    long nb = D / QK, bytes = block_bytes(type);
+                            int type, float *y, long ldy, long S, long D, long n0, long n1) {
+    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
     for (long n = n0; n < n1; n++) {
-        const unsigned char *row = w + n * nb * bytes;
+        const unsigned char *row = w + n * row_bytes;
         for (long s = 0; s < S; s++) {
             const signed char *xs = xq + s * nb * QK;
             float acc[GGUF_LANES] = {0}, offset = 0.0f;
             for (long b = 0; b < nb; b++) {
-                float dw, m, scale;
-                signed char q[QK];
-                decode_scalar(type, row + b * bytes, q, &dw, &m);
-                scale = dw * x_d[s * nb + b];
+                int q[QK], j = (int)(b % 8);
+                float lh[16], off[8];
+                unit_scales(type, row, b - j, nb - (b - j) < 8 ? (int)(nb - (b - j)) : 8, lh, off);
+                decode_scalar(type, block_at(type, row, b), j, q);
                 int base = GGUF_LANES == 16 && !(nb % 2 && b == nb - 1) ? (int)(b % 2) * 8 : 0;
                 for (int l = 0; l < 8; l++) {
                     int lane = 0;
-                    for (int j = 4 * l; j < 4 * l + 4; j++) lane += (int)q[j] * (int)xs[b * QK + j];
-                    acc[base + l] = fmaf((float)lane, scale, acc[base + l]);
+                    for (int k = 4 * l; k < 4 * l + 4; k++) lane += q[k] * (int)xs[b * QK + k];
+                    acc[base + l] = fmaf((float)lane, lh[2 * j + l / 4] * x_d[s * nb + b], acc[base + l]);
                 }
-                if (type == GGUF_Q4_1) offset = fmaf(m, x_sums[s * nb + b], offset);
+                if (unsigned_weights(type)) offset = fmaf(off[j], x_sums[s * nb + b], offset);
             }
-            y[s * N + n] = sum_lanes(acc) + offset;
+            y[s * ldy + n] = sum_lanes(acc) + offset;
         }
     }
 }
 
 static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums, const signed char *xq,
-                      const unsigned char *xu, const unsigned char *w, int type, float *y, long S, long N, long D,
+                      const unsigned char *xu, const unsigned char *w, int type, float *y, long ldy, long S, long D,
                       long n0, long n1, int reference) {
 #if GGUF_LANES == 16
     if (!reference) {
-#define GCASE(k) case k: gguf_rows_simd512(x_dexp, x_sums, xq, xu, w, type, y, k, N, D, n0, n1); return;
+#define GCASE(k) case k: gguf_rows_simd512(x_dexp, x_sums, xq, xu, w, type, y, ldy, k, D, n0, n1); return;
         switch (S) {
             GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
             GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
@@ -685,7 +831,7 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
     }
 #elif defined(__AVX2__)
     if (!reference) {
-#define GCASE(k) case k: gguf_rows_simd(x_d, x_sums, xq, w, type, y, k, N, D, n0, n1); return;
+#define GCASE(k) case k: gguf_rows_simd(x_d, x_sums, xq, w, type, y, ldy, k, D, n0, n1); return;
         switch (S) {
             GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
             GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
@@ -693,14 +839,15 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 #undef GCASE
     }
 #endif
-    gguf_rows_plain(x_d, x_sums, xq, w, type, y, S, N, D, n0, n1);
+    gguf_rows_plain(x_d, x_sums, xq, w, type, y, ldy, S, D, n0, n1);
 }
 
-/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type`; 1 <= S <= 16, D a multiple of 32. 0, or -1 for a
-   type or shape it does not take. */
-int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
-                int reference) {
-    if (S < 1 || S > 16 || D % QK || !block_bytes(type)) return -1;
+/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type`, y's rows ldy floats apart (N for a matrix of its
+   own; a stacked matrix's part writes its columns of a wider y); 1 <= S <= 16, D a multiple of 32 (of 256 for the
+   K-quants). 0, or -1 for a type or shape it does not take. */
+int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y, long ldy, long S, long N, long D,
+                     int threads, int reference) {
+    if (S < 1 || S > 16 || D % (k_quant(type) ? 256 : QK) || !block_bytes(type)) return -1;
     long nb = D / QK;
     signed char *xq = malloc(S * D);
     unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
@@ -716,7 +863,12 @@ int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long
     long chunk = 16; /* output rows per task: blocks of a few kB of weights */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long n0 = 0; n0 < N; n0 += chunk)
-        gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, S, N, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
+        gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, ldy, S, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
     free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
     return 0;
+}
+
+int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
+                int reference) {
+    return gguf_linear_into(x, w, type, y, N, S, N, D, threads, reference);
 }

@@ -1,0 +1,171 @@
+"""A GGUF file read in place as the lean runner's weights: every matrix as the file's own blocks (smallbatch.GGUFWeights,
+multiplied by gguf_linear with x rounded to int8 per block, as llama.cpp does), norms and biases as float32 views of
+the memory-mapped file, the embedding looked up row by row. Nothing is converted: a step streams the file's bytes,
+and a model that would take gigabytes as float32 starts in about a second.
+
+Llama/SmolLM2, Qwen2/2.5 and Qwen3 files; anything else (another architecture, RoPE scaling, a tensor type the kernel
+does not take) is refused in one line (`Unreadable`) and keeps the other engines.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specchat import gguf_header
+from specchat.engine import smallbatch
+from specchat.engine.runner import Block, Runner, Shape
+
+FAMILIES = {"llama", "qwen2", "qwen3"}  # GGUF's architecture names, transformers' model types
+REQUIRED = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+FLOATS = {0: np.float32, 1: np.float16}  # ggml's F32 and F16 (F16 matrices and vectors become float32 copies)
+
+
+class Unreadable(ValueError):
+    """Why the lean runner cannot read a file in place, in one line for the user."""
+
+
+class GGUFFile:
+    """A GGUF file's tensors as numpy views of its memory map, by name."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.header = gguf_header.read(self.path)
+        self.arch = self.header.metadata.get("general.architecture")
+        self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def meta(self, key: str, default=None):
+        """The architecture's own key (`block_count` -> `qwen2.block_count`)."""
+        return self.header.metadata.get(f"{self.arch}.{key}", default)
+
+    def has(self, name: str) -> bool:
+        return name in self.header.tensors
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        """A norm or bias [n] float32 (a view of the file for F32), or None where the file has none."""
+        info = self.header.tensors.get(name)
+        if info is None:
+            return None
+        if info.type not in FLOATS:
+            raise Unreadable(f"{self.path.name}: {name} is {type_name(info.type)}, not a float vector")
+        n = int(np.prod(info.shape))
+        values = self.data[info.offset : info.offset + n * np.dtype(FLOATS[info.type]).itemsize].view(FLOATS[info.type])
+        return _tensor(values) if info.type == 0 else torch.from_numpy(values.astype(np.float32))
+
+    def matrix(self, name: str, heads: int | None = None) -> "smallbatch.GGUFWeights | torch.Tensor | None":
+        """Matrix [N, D]: its blocks in place (a type gguf_linear takes), a float32 view (F32) or copy (F16), or None
+        where the file has none. A llama file's Q/K rows (`heads` given) are put back from llama.cpp's interleaved
+        RoPE order, as transformers' loader does (a copy of those rows)."""
+        info = self.header.tensors.get(name)
+        if info is None:
+            return None
+        if len(info.shape) != 2:
+            raise Unreadable(f"{self.path.name}: {name} has shape {info.shape}, not a matrix")
+        d, n = info.shape  # GGUF lists the innermost first
+        kind = type_name(info.type)
+        if info.type in FLOATS:
+            size = np.dtype(FLOATS[info.type]).itemsize
+            values = self.data[info.offset : info.offset + n * d * size].view(FLOATS[info.type]).reshape(n, d)
+            w = _tensor(values) if info.type == 0 else torch.from_numpy(values.astype(np.float32))
+        elif kind in smallbatch.GGUF_TYPES:
+            block, nbytes = _quant_size(info.type)
+            if d % block:
+                raise Unreadable(f"{self.path.name}: {name}'s rows of {d} are not whole {kind} blocks")
+            w = smallbatch.GGUFWeights(_tensor(self.data[info.offset : info.offset + n * d // block * nbytes].reshape(n, -1)), kind, (n, d))
+            if not smallbatch.gguf_usable(w):
+                raise Unreadable(f"the C kernel that multiplies {kind} blocks is not loaded (no C compiler?)")
+        else:
+            raise Unreadable(f"{self.path.name}: {name} is {kind}; the lean runner reads {', '.join(smallbatch.GGUF_TYPES)}, F32 and F16")
+        if heads and self.arch == "llama":
+            w = _unpermute(w, heads)
+        return w
+
+
+def type_name(kind: int) -> str:
+    import gguf
+
+    return next((t.name for t in gguf.GGMLQuantizationType if t == kind), f"type {kind}")
+
+
+def _quant_size(kind: int) -> tuple[int, int]:
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]  # (weights, bytes) a block
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only memory map: only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
+
+
+def _unpermute(w, heads: int):
+    """GGUF row j holds HF row order[j] (llama.cpp's convert interleaves each head's two RoPE halves)."""
+    n = w.shape[0]
+    order = torch.arange(n).reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)
+    rows = torch.argsort(order)
+    if isinstance(w, smallbatch.GGUFWeights):
+        return smallbatch.GGUFWeights(w.blocks[rows], w.type, w.shape)
+    return w[rows]
+
+
+def stacked(parts: list):
+    """[q; k; v] or [gate; up] as the C layer reads them: the file's blocks side by side, or one float32 matrix."""
+    if all(isinstance(p, smallbatch.GGUFWeights) for p in parts):
+        return smallbatch.GGUFStack(tuple(parts))
+    return torch.cat([p.float() if isinstance(p, (smallbatch.GGUFWeights, smallbatch.GGUFStack)) else p for p in parts])
+
+
+def rotary_embedding(file: GGUFFile, head_dim: int):
+    """The family's own HF rotary module, built from the file's RoPE base (so the tables are HF's to the bit)."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    if file.meta("rope.scaling.type", "none") not in ("none", None) or file.has("rope_freqs.weight"):
+        raise Unreadable(f"{file.path.name}: RoPE scaling is not read in place yet")
+    config = AutoConfig.for_model(
+        file.arch, hidden_size=file.meta("embedding_length"), num_attention_heads=file.meta("attention.head_count"),
+        num_key_value_heads=file.meta("attention.head_count_kv"), head_dim=head_dim,
+        rope_theta=float(file.meta("rope.freq_base", 10000.0)), max_position_embeddings=file.meta("context_length", 4096),
+    )
+    module = importlib.import_module(f"transformers.models.{file.arch}.modeling_{file.arch}")
+    rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
+    return rotary(config=config)
+
+
+def load_runner(path: str | Path) -> Runner:
+    """The lean runner on the file's own blocks, read in place (Unreadable: why it cannot be)."""
+    file = GGUFFile(path)
+    if file.arch not in FAMILIES:
+        raise Unreadable(f"{file.path.name} is a {file.arch} model; the lean runner reads {', '.join(sorted(FAMILIES))}")
+    needed = ["token_embd.weight", "output_norm.weight"] + [f"blk.0.{n}.weight" for n in REQUIRED]
+    if missing := [n for n in needed if not file.has(n)]:
+        raise Unreadable(f"{file.path.name} has no {missing[0]}: not a decoder laid out as the lean runner reads it")
+    heads, kv_heads = int(file.meta("attention.head_count")), int(file.meta("attention.head_count_kv", file.meta("attention.head_count")))
+    width = int(file.meta("embedding_length"))
+    head_dim = int(file.meta("attention.key_length", 0) or file.meta("rope.dimension_count", 0) or width // heads)
+    eps = float(file.meta("attention.layer_norm_rms_epsilon"))
+    shape = Shape(heads, kv_heads, head_dim, head_dim**-0.5)
+    act = torch.nn.SiLU()  # what these families' MLPs use
+    blocks = []
+    for i in range(int(file.meta("block_count"))):
+        at = f"blk.{i}."
+        qkv_b = [file.vector(at + f"attn_{x}.bias") for x in "qkv"]
+        if file.arch == "llama" and qkv_b[0] is not None:
+            qkv_b = [_unpermute(qkv_b[0], heads), _unpermute(qkv_b[1], kv_heads), qkv_b[2]]
+        blocks.append(Block(
+            ln1=file.vector(at + "attn_norm.weight"), ln2=file.vector(at + "ffn_norm.weight"), eps=eps,
+            qkv_w=stacked([file.matrix(at + "attn_q.weight", heads), file.matrix(at + "attn_k.weight", kv_heads), file.matrix(at + "attn_v.weight")]),
+            qkv_b=None if qkv_b[0] is None else torch.cat(qkv_b),
+            q_norm=file.vector(at + "attn_q_norm.weight"), k_norm=file.vector(at + "attn_k_norm.weight"), qk_eps=eps,
+            o_w=file.matrix(at + "attn_output.weight"), o_b=file.vector(at + "attn_output.bias"),
+            gate_up_w=stacked([file.matrix(at + "ffn_gate.weight"), file.matrix(at + "ffn_up.weight")]), gate_up_b=None,
+            down_w=file.matrix(at + "ffn_down.weight"), down_b=None, act=act,
+        ))
+    embed = file.matrix("token_embd.weight")
+    head = file.matrix("output.weight") if file.has("output.weight") else embed  # tied: the embedding's own blocks
+    return Runner.of_weights(rotary_embedding(file, head_dim), embed, file.vector("output_norm.weight"), eps, head, blocks, shape)
