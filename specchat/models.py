@@ -201,7 +201,7 @@ CONVERSION_PARAMS_PER_S = 4.5e6
 
 def gguf_file_type(path: Path) -> str | None:
     """The file's quantisation as llama.cpp names it (Q4_K_M, F16, F32), from general.file_type in the header."""
-    from specchat import gguf_header
+    from specchat.engine import gguf_header
 
     try:
         return gguf_header.read(path).file_type

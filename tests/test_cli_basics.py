@@ -144,7 +144,7 @@ def test_a_damaged_gguf_is_one_line_before_any_model_code_runs(cut, tmp_path, no
 
 
 def test_a_whole_gguf_passes_the_header_check(tmp_path):
-    from specchat import gguf_header
+    from specchat.engine import gguf_header
 
     path = write_gguf(tiny_llama(0), tmp_path / "whole.gguf")
     assert gguf_header.problem(path) is None and gguf_header.read(path).file_type == "F32"

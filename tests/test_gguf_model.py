@@ -136,7 +136,7 @@ def test_a_file_the_runner_does_not_read_is_refused_in_one_line(tmp_path):
         load_runner(path)
     write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
     data = bytearray((tmp_path / "k.gguf").read_bytes())
-    from specchat import gguf_header
+    from specchat.engine import gguf_header
 
     info = gguf_header.read(tmp_path / "k.gguf")
     at = data.find(b"blk.0.ffn_up.weight")  # its tensor info: name, dims, shape, then the type

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specchat import gguf_header
+from specchat.engine import gguf_header
 from specchat.engine import smallbatch
 from specchat.engine.runner import Block, Runner, Shape
 
@@ -121,9 +121,10 @@ def stacked(parts: list):
 
 def rotary_embedding(file: GGUFFile, head_dim: int):
     """The family's own HF rotary module, built from the file's RoPE base (so the tables are HF's to the bit)."""
-    import importlib
-
     from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     if file.meta("rope.scaling.type", "none") not in ("none", None) or file.has("rope_freqs.weight"):
         raise Unreadable(f"{file.path.name}: RoPE scaling is not read in place yet")
@@ -132,8 +133,7 @@ def rotary_embedding(file: GGUFFile, head_dim: int):
         num_key_value_heads=file.meta("attention.head_count_kv"), head_dim=head_dim,
         rope_theta=float(file.meta("rope.freq_base", 10000.0)), max_position_embeddings=file.meta("context_length", 4096),
     )
-    module = importlib.import_module(f"transformers.models.{file.arch}.modeling_{file.arch}")
-    rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
+    rotary = {"llama": LlamaRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "qwen3": Qwen3RotaryEmbedding}[file.arch]
     return rotary(config=config)
 
 

@@ -80,7 +80,7 @@ def measure_costs(model, k_max: int, reps: int = 7, context: int = 64) -> Costs:
     decoder = layer_runner(model)  # the path the target and its self-speculative drafters run: lean runner or HF modules
     n = decoder.n_layers
     cache = decoder.new_cache()
-    decoder.step([i % decoder.lm_head.weight.shape[0] for i in range(context)], cache, 0, keep=1)  # a context to attend to
+    decoder.step([i % decoder.vocab_size for i in range(context)], cache, 0, keep=1)  # a context to attend to
     cases = {"plain": ([5], None), "full": ([5], range(n)), "half": ([5], range(n // 2))}
     # both modes verify through the same layer loop (the lean runner or drafters/layers.py), so time verifies through it too
     cases.update({k: ([5] * (k + 1), range(n)) for k in range(1, k_max + 1)})

@@ -48,6 +48,10 @@ class Decoder:
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
     def new_cache(self):
         return new_cache(self.model)
 

@@ -517,34 +517,43 @@ static inline const unsigned char *block_at(int type, const unsigned char *row, 
     return k_quant(type) ? row + (b / 8) * block_bytes(type) : row + b * block_bytes(type);
 }
 
-/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j, packed in 12 bytes (ggml's get_scale_min_k4) */
-static inline void scale_min_k4(int j, const unsigned char *q, int *d, int *m) {
-    if (j < 4) {
-        *d = q[j] & 63, *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* Q4_K's and Q5_K's eight 6-bit scales and mins, packed in 12 bytes (ggml's get_scale_min_k4, all eight at once) */
+static inline __attribute__((always_inline)) void scales_mins_k4(const unsigned char *q, unsigned char sc[8], unsigned char mn[8]) {
+    unsigned int u[4];
+    memcpy(u, q, 12);
+    const unsigned int six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
+    unsigned int mins_low = u[1] & six;
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
+    u[2] = mins_low;
+    u[0] &= six;
+    memcpy(sc, u, 8);
+    memcpy(mn, u + 2, 8);
 }
 
 /* A unit: blocks u0..u0+n-1 of a row (n <= 8), a K-quant super-block or up to 8 blocks of a 32-weight type, read
    once for all positions: block j's weights 0-15 scale by lh[2j], 16-31 by lh[2j+1] (they differ only in Q6_K), and
-   it adds off[j] to every weight (w = scale * q + offset; 0 for the signed types). */
-static inline void unit_scales(int type, const unsigned char *row, long u0, int n, float lh[16], float off[8]) {
-    if (type == GGUF_Q4_K || type == GGUF_Q5_K) {
+   it adds off[j] to every weight (w = scale * q + offset; 0 for the signed types and for blocks past n). */
+static inline __attribute__((always_inline)) void unit_scales(int type, const unsigned char *row, long u0, int n, float lh[16], float off[8]) {
+    if (k_quant(type)) {
         const unsigned char *u = row + (u0 / 8) * block_bytes(type);
-        float d = f16_at(u), dmin = f16_at(u + 2);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            scale_min_k4(j, u + 4, &sc, &m);
-            lh[2 * j] = lh[2 * j + 1] = d * (float)sc;
-            off[j] = -(dmin * (float)m);
+        signed char ints[16];
+        float d;
+        if (type == GGUF_Q6_K) { /* 16 int8 scales, one per 16 weights */
+            memcpy(ints, u + 192, 16);
+            d = f16_at(u + 208);
+            for (int j = 0; j < 8; j++) off[j] = 0.0f;
+        } else {
+            unsigned char sc[8], mn[8];
+            scales_mins_k4(u + 4, sc, mn);
+            d = f16_at(u);
+            float dmin = f16_at(u + 2);
+            for (int j = 0; j < 8; j++) {
+                ints[2 * j] = ints[2 * j + 1] = (signed char)sc[j];
+                off[j] = -(dmin * (float)mn[j]);
+            }
         }
-    } else if (type == GGUF_Q6_K) { /* 16 int8 scales, one per 16 weights */
-        const unsigned char *u = row + (u0 / 8) * block_bytes(type);
-        const signed char *sc = (const signed char *)(u + 192);
-        float d = f16_at(u + 208);
-        for (int i = 0; i < 16; i++) lh[i] = d * (float)sc[i];
-        for (int j = 0; j < 8; j++) off[j] = 0.0f;
+        for (int i = 0; i < 16; i++) lh[i] = d * (float)ints[i];
     } else {
         long bytes = block_bytes(type);
         for (int j = 0; j < n; j++) {
@@ -583,16 +592,22 @@ static inline void decode_scalar(int type, const unsigned char *u, int j, int q[
     }
 }
 
-/* the lanes' float sum in a fixed tree: 16 lanes fold to 8 (l + l+8), then (l0+l4, l1+l5, l2+l6, l3+l7), then pairs */
-static inline float sum_lanes(const float a[GGUF_LANES]) {
-    float f[8];
-    for (int l = 0; l < 8; l++) f[l] = GGUF_LANES == 16 ? a[l] + a[l + 8] : a[l];
+/* 8 floats summed in a fixed tree: (l0+l4, l1+l5, l2+l6, l3+l7), then pairs */
+static inline __attribute__((always_inline)) float sum8(const float f[8]) {
     float h0 = f[0] + f[4], h1 = f[1] + f[5], h2 = f[2] + f[6], h3 = f[3] + f[7];
     return (h0 + h2) + (h1 + h3);
 }
 
-/* x [S, D] -> int8 q [S, D], a scale per block d [S, D/32], and d * sum(q) per block sums [S, D/32] */
-static void quantize_rows(const float *x, long S, long D, signed char *q, float *d, float *sums) {
+/* the lanes' float sum in a fixed tree: 16 lanes fold to 8 (l + l+8), then sum8 */
+static inline __attribute__((always_inline)) float sum_lanes(const float a[GGUF_LANES]) {
+    float f[8];
+    for (int l = 0; l < 8; l++) f[l] = GGUF_LANES == 16 ? a[l] + a[l + 8] : a[l];
+    return sum8(f);
+}
+
+/* x [S, D] -> int8 q [S, D], a scale per block d [S, D/32], and d * sum(q) per block sums [S, nbp] (nbp: D/32
+   rounded up to whole units of 8 blocks, the padding left as it is: zero) */
+static void quantize_rows(const float *x, long S, long D, signed char *q, float *d, float *sums, long nbp) {
     long nb = D / QK;
     for (long r = 0; r < S * nb; r++) {
         const float *v = x + r * QK;
@@ -606,7 +621,7 @@ static void quantize_rows(const float *x, long S, long D, signed char *q, float 
             total += k;
         }
         d[r] = scale;
-        sums[r] = scale * (float)total;
+        sums[r / nb * nbp + r % nb] = scale * (float)total;
     }
 }
 
@@ -673,9 +688,38 @@ static inline __m256i decode_simd(int type, const unsigned char *u, int j) {
     }
 }
 
+/* unit_scales in registers, the same values: lh[0..7] in *lo, lh[8..15] in *hi, the offsets in *off (the K-quants'
+   scales widened and multiplied eight at a time; the 32-weight types' read block by block) */
+static inline __attribute__((always_inline)) void unit_scales_simd(int type, const unsigned char *row, long u0, int n,
+                                                                   __m256 *lo, __m256 *hi, __m256 *off) {
+    if (type == GGUF_Q6_K) {
+        const unsigned char *u = row + (u0 / 8) * block_bytes(type);
+        __m128i sc = _mm_loadu_si128((const __m128i *)(u + 192));
+        __m256 d = _mm256_set1_ps(f16_at(u + 208));
+        *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        *off = _mm256_setzero_ps();
+    } else if (k_quant(type)) { /* Q4_K, Q5_K */
+        const unsigned char *u = row + (u0 / 8) * block_bytes(type);
+        unsigned char sc[8], mn[8];
+        scales_mins_k4(u + 4, sc, mn);
+        __m128i twice = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc), _mm_loadl_epi64((const __m128i *)sc)); /* s0 s0 s1 s1 .. */
+        __m256 d = _mm256_set1_ps(f16_at(u)), dmin = _mm256_set1_ps(f16_at(u + 2));
+        *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(twice)));
+        *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8))));
+        __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
+        *off = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), as unit_scales */
+    } else {
+        float lh[16], offs[8];
+        unit_scales(type, row, u0, n, lh, offs);
+        *lo = _mm256_loadu_ps(lh), *hi = _mm256_loadu_ps(lh + 8), *off = _mm256_loadu_ps(offs);
+    }
+}
+
 /* block j of a unit: its 8 lanes' weight scales (lanes 0-3 cover weights 0-15, lanes 4-7 weights 16-31) */
-static inline __m256 lane_scales(const float lh[16], int j) {
-    return _mm256_set_m128(_mm_set1_ps(lh[2 * j + 1]), _mm_set1_ps(lh[2 * j]));
+static inline __m256 lane_scales(__m256 lo, __m256 hi, int j) {
+    __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(2 * (j % 4)));
+    return _mm256_permutevar8x32_ps(j < 4 ? lo : hi, at);
 }
 
 /* rows n0..n1-1 of y for S positions, S a constant where it is inlined (gguf_rows' switch): each weight block is
@@ -683,34 +727,36 @@ static inline __m256 lane_scales(const float lh[16], int j) {
 static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_d, const float *x_sums,
                                                                  const signed char *xq, const unsigned char *w, int type,
                                                                  float *y, long ldy, const long S, long D, long n0, long n1) {
-    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
+    long nb = D / QK, nbp = (nb + 7) / 8 * 8, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
     int offsets = unsigned_weights(type);
     for (long n = n0; n < n1; n++) {
         const unsigned char *row = w + n * row_bytes;
-        __m256 acc[S];
-        float offset[S];
-        for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = 0.0f;
+        __m256 acc[S], offset[S];
+        for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            float lh[16], off[8];
-            unit_scales(type, row, u0, units, lh, off);
+            __m256 lo, hi, off;
+            unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
+            if (offsets)
+                for (long s = 0; s < S; s++)
+                    offset[s] = _mm256_fmadd_ps(off, _mm256_loadu_ps(x_sums + s * nbp + u0), offset[s]);
             for (int j = 0; j < units; j++) {
                 long b = u0 + j;
                 __m256i wq = decode_simd(type, block_at(type, row, b), j);
                 __m256i abs_w = offsets ? wq : _mm256_sign_epi8(wq, wq); /* |w|, and x takes w's sign below */
-                __m256 ws = lane_scales(lh, j);
+                __m256 ws = lane_scales(lo, hi, j);
                 for (long s = 0; s < S; s++) {
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (s * nb + b) * QK));
                     __m256i lanes = dot_u8s8(abs_w, offsets ? xv : _mm256_sign_epi8(xv, wq));
                     acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(ws, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
-                    if (offsets) offset[s] = fmaf(off[j], x_sums[s * nb + b], offset[s]);
                 }
             }
         }
         for (long s = 0; s < S; s++) {
-            float lanes[8];
+            float lanes[8], offs[8];
             _mm256_storeu_ps(lanes, acc[s]);
-            y[s * ldy + n] = sum_lanes(lanes) + offset[s];
+            _mm256_storeu_ps(offs, offset[s]);
+            y[s * ldy + n] = sum_lanes(lanes) + sum8(offs);
         }
     }
 }
@@ -734,20 +780,23 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
                                                                     const signed char *xq, const unsigned char *xu,
                                                                     const unsigned char *w, int type, float *y,
                                                                     long ldy, const long S, long D, long n0, long n1) {
-    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), pairs = nb / 2;
+    long nb = D / QK, nbp = (nb + 7) / 8 * 8, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
     int offsets = unsigned_weights(type);
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* lh[2j..2j+3], 4 lanes each */
     for (long n = n0; n < n1; n++) {
         const unsigned char *row = w + n * row_bytes;
         __m512 acc[S];
-        float offset[S];
-        for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = 0.0f;
+        __m256 offset[S];
+        for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            float lh[16], off[8];
-            unit_scales(type, row, u0, units, lh, off);
-            __m512 scales = _mm512_loadu_ps(lh);
+            __m256 lo, hi, off;
+            unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
+            if (offsets)
+                for (long s = 0; s < S; s++)
+                    offset[s] = _mm256_fmadd_ps(off, _mm256_loadu_ps(x_sums + s * nbp + u0), offset[s]);
+            __m512 scales = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
             for (int j = 0; j + 1 < units; j += 2) { /* a pair: blocks j, j+1 */
                 long b = u0 + j;
                 __m512i wq = decode_pair(type, row, b, j);
@@ -759,31 +808,27 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
                         ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xq + at * QK))
                         : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(xu + at * QK), wq), correction);
                     acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(ws, _mm512_loadu_ps(x_dexp + at * 8)), acc[s]);
-                    if (offsets) {
-                        offset[s] = fmaf(off[j], x_sums[at], offset[s]);
-                        offset[s] = fmaf(off[j + 1], x_sums[at + 1], offset[s]);
-                    }
                 }
             }
             if (units % 2) { /* a last odd block (32-weight types only): lanes 0-7 */
                 int j = units - 1;
                 long b = u0 + j;
                 __m256i wq = decode_simd(type, block_at(type, row, b), j), abs_w = offsets ? wq : _mm256_sign_epi8(wq, wq);
-                __m256 ws = lane_scales(lh, j);
+                __m256 ws = lane_scales(lo, hi, j);
                 for (long s = 0; s < S; s++) {
                     long at = s * nb + b;
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + at * QK));
                     __m256i lanes = dot_u8s8(abs_w, offsets ? xv : _mm256_sign_epi8(xv, wq));
                     __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(ws, _mm256_set1_ps(x_dexp[at * 8])));
                     acc[s] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(lanes)), scale, acc[s], 0x00ff);
-                    if (offsets) offset[s] = fmaf(off[j], x_sums[at], offset[s]);
                 }
             }
         }
         for (long s = 0; s < S; s++) {
-            float lanes[16];
+            float lanes[16], offs[8];
             _mm512_storeu_ps(lanes, acc[s]);
-            y[s * ldy + n] = sum_lanes(lanes) + offset[s];
+            _mm256_storeu_ps(offs, offset[s]);
+            y[s * ldy + n] = sum_lanes(lanes) + sum8(offs);
         }
     }
 }
@@ -793,12 +838,12 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
    without AVX2) */
 static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed char *xq, const unsigned char *w,
                             int type, float *y, long ldy, long S, long D, long n0, long n1) {
-    long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
+    long nb = D / QK, nbp = (nb + 7) / 8 * 8, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type);
     for (long n = n0; n < n1; n++) {
         const unsigned char *row = w + n * row_bytes;
         for (long s = 0; s < S; s++) {
             const signed char *xs = xq + s * nb * QK;
-            float acc[GGUF_LANES] = {0}, offset = 0.0f;
+            float acc[GGUF_LANES] = {0}, offset[8] = {0};
             for (long b = 0; b < nb; b++) {
                 int q[QK], j = (int)(b % 8);
                 float lh[16], off[8];
@@ -810,9 +855,10 @@ static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed 
                     for (int k = 4 * l; k < 4 * l + 4; k++) lane += q[k] * (int)xs[b * QK + k];
                     acc[base + l] = fmaf((float)lane, lh[2 * j + l / 4] * x_d[s * nb + b], acc[base + l]);
                 }
-                if (unsigned_weights(type)) offset = fmaf(off[j], x_sums[s * nb + b], offset);
+                if (unsigned_weights(type) && (j == 7 || b == nb - 1)) /* a unit's offsets, eight lanes as the SIMD paths */
+                    for (int l = 0; l < 8; l++) offset[l] = fmaf(off[l], x_sums[s * nbp + b - j + l], offset[l]);
             }
-            y[s * ldy + n] = sum_lanes(acc) + offset;
+            y[s * ldy + n] = sum_lanes(acc) + sum8(offset);
         }
     }
 }
@@ -851,13 +897,14 @@ int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y,
     long nb = D / QK;
     signed char *xq = malloc(S * D);
     unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
-    float *x_d = malloc(sizeof(float) * S * nb), *x_sums = malloc(sizeof(float) * S * nb);
+    long nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
+    float *x_d = malloc(sizeof(float) * S * nb), *x_sums = calloc(S * nbp, sizeof(float));
     float *x_dexp = malloc(sizeof(float) * S * nb * 8); /* each block's scale 8 times: a pair's lane scales */
     if (!xq || !xu || !x_d || !x_sums || !x_dexp) {
         free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
         return -1;
     }
-    quantize_rows(x, S, D, xq, x_d, x_sums);
+    quantize_rows(x, S, D, xq, x_d, x_sums, nbp);
     for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
     for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
     long chunk = 16; /* output rows per task: blocks of a few kB of weights */
