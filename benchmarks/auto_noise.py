@@ -46,7 +46,7 @@ def session(seed: int, cv: float, rounds: int, ratio: float, baseline: int) -> f
     """The share of `rounds` that ran the losing mode in one session."""
     rng = random.Random(seed)
     auto = AutoDrafter({"off": PlainDecoding(), "draft": Draft()})
-    state, params = SimpleNamespace(tokens=[0]), SamplingParams(0.7)
+    state, params = SimpleNamespace(tokens=[0], head=None), SamplingParams(0.7)
     losing, since, load = 0, 0, 1.0
     round_s = EXPECTED / (ratio / STEP_S)  # a drafting round's mean seconds: its rate is `ratio` of plain decoding's
 

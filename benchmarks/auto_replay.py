@@ -254,7 +254,7 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
         for index in order:
             r = trace.replies[index]
             reply, tokens = r["reply"], list(r["prompt"])
-            state = SimpleNamespace(tokens=tokens)  # (no reset between replies: a session keeps its drafters)
+            state = SimpleNamespace(tokens=tokens, head=None)  # (no reset between replies: a session keeps its drafters)
             j, round_index, decode_tokens, decode_s = 0, 0, 0, 0.0
             while j < len(reply):
                 drafter = chooser.for_round(state, greedy) if chooser is not None else candidates[mode]

@@ -1,5 +1,6 @@
-"""What every session shares, local (session.py) or on a serving engine (remote_session.py): the conversation,
-its turns and their statistics, and the snapshot the front ends read. No torch: a remote session runs without it."""
+"""What every session shares, local (session.py) or on a serving engine (remote_session.py): the interface the front
+ends hold (ChatSession), the conversation, its turns and their statistics, and the snapshot the front ends read. No
+torch: a remote session runs without it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from specchat.engine.events import RoundRecord
+from specchat.engine.info import EngineInfo
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
 from specchat.engine.sampling_params import SamplingParams
 
@@ -79,6 +81,63 @@ class Snapshot:
         return speedup_model(self.stats.get(mode), self.plain_step_s)
 
 
+@runtime_checkable
+class ChatSession(Protocol):
+    """What the front ends (the chat, generate, export, history, bench --server) use of a session, a local model's
+    (session.Session) or a serving engine's (remote_session.RemoteSession) alike: `info` says what runs the models,
+    so no front end asks which kind it holds. Conversation implements the bookkeeping half."""
+
+    info: EngineInfo
+    modes: dict[str, str]  # the modes (a server's: its configurations), name -> what it is, in key order
+    target: Any  # `.name`: what the front ends call the target
+    draft: Any  # `.name`, or None without a draft model
+    controls: Any  # mode, k, sampling, rule; `on_prefill`, which the front ends set (loop.Controls, RemoteControls)
+    notices: list[str]  # said once at start
+    warnings: list[str]  # a server's reconstructed steps that did not add up (none locally)
+    messages: list[dict]
+    turns: list[Turn]
+    lock: Any
+    seed: int | None
+    max_new_tokens: int
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def system(self) -> str | None: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def drafter(self, mode: str) -> object:
+        """Make `mode` ready to run (raises ModeUnavailable)."""
+
+    def preparing(self, mode: str) -> str | None:
+        """What making `mode` ready will build that takes seconds, or None."""
+
+    def set_mode(self, mode: str) -> None: ...
+
+    def measure_baseline(self, every: int = ...) -> None: ...
+
+    def set_system(self, text: str | None) -> None: ...
+
+    def restore(self, messages: list[dict]) -> None: ...
+
+    def chat_prompt(self, messages: list[dict]) -> Any:
+        """The prompt `complete` takes for these messages: token ids, or the messages for a server."""
+
+    def raw_prompt(self, text: str) -> Any: ...
+
+    def check_message(self, text: str) -> None: ...
+
+    def check_fits(self, prompt) -> None: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def reply(self, text: str) -> Iterator[RoundRecord]: ...
+
+    def complete(self, prompt) -> Iterator[RoundRecord]: ...
+
+
 class Conversation:
     """The messages so far, every turn with its rounds, statistics per mode, and a lock that keeps them consistent
     for the threads that read them. A subclass sets `controls` (mode, k, sampling, rule, drafter) and produces
@@ -95,6 +154,7 @@ class Conversation:
         # held while a round is recorded, so another thread (the UI, an export) reads a consistent snapshot
         self.lock = threading.RLock()
         self.notices: list[str] = []  # said once to the user at start (the chat shows them as warnings)
+        self.warnings: list[str] = []  # a server's reconstructions that did not add up to its counters
         self.plain_for: dict[str, Stats] = {}  # mode -> the in-band plain rounds among its rounds (Snapshot.plain_for)
 
     _plain: deque | None = None  # (time, record) of the latest plain rounds, for the baseline
@@ -103,6 +163,11 @@ class Conversation:
     @property
     def mode(self) -> str:
         return self.controls.mode
+
+    @property
+    def mode_drafter(self):
+        """The current mode's drafter, whose figures the panel shows (None where a server drafts)."""
+        return self.controls.drafter
 
     @property
     def system(self) -> str | None:
@@ -156,7 +221,7 @@ class Conversation:
     def snapshot(self) -> Snapshot:
         """Copies of the statistics and settings, consistent with each other (callable from any thread)."""
         with self.lock:
-            controls = self.controls
+            controls, drafter = self.controls, self.mode_drafter
             latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
             return Snapshot(
                 mode=controls.mode,
@@ -169,12 +234,12 @@ class Conversation:
                 recent=list(itertools.islice(latest, RECENT_ROUNDS))[::-1],
                 baseline=Baseline.of(self._plain or ()),
                 plain_for={mode: s.copy() for mode, s in self.plain_for.items()},
-                max_draft=getattr(controls.drafter, "max_draft", None),
-                draft_len=controls.drafter.draft_len(controls.k) if hasattr(controls.drafter, "draft_len") else None,
-                choice=getattr(controls.drafter, "choice", None),
-                why=getattr(controls.drafter, "why", None),
-                **({"standings": controls.drafter.standings(), "verify_steps": controls.drafter.verify_steps()}
-                   if hasattr(controls.drafter, "standings") else {}),
+                max_draft=getattr(drafter, "max_draft", None),
+                draft_len=drafter.draft_len(controls.k) if hasattr(drafter, "draft_len") else None,
+                choice=getattr(drafter, "choice", None),
+                why=getattr(drafter, "why", None),
+                **({"standings": drafter.standings(), "verify_steps": drafter.verify_steps()}
+                   if hasattr(drafter, "standings") else {}),
                 **self._snapshot_extra(),
             )
 

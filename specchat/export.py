@@ -57,7 +57,7 @@ def mode_summary(snapshot, mode: str) -> dict:
 
 def session_data(session) -> dict:
     """Everything an export holds, read under the session's lock so a streaming reply cannot tear it."""
-    remote = getattr(session, "servers", None) is not None
+    info = session.info
     with session.lock:
         snapshot = session.snapshot()
         turns = [(t, list(t.rounds), list(t.sampling)) for t in session.turns]
@@ -79,14 +79,14 @@ def session_data(session) -> dict:
     config = {
         "target": session.target.name,
         "draft": session.draft.name if session.draft is not None else None,
-        "engine": getattr(session, "engine_label", "torch"),  # what runs the models: "torch" or "llama.cpp"
-        "device": session.device_label,
-        "dtype": session.dtype_label,
-        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py), "hf" or "llama.cpp"
-        "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
+        "engine": info.engine,  # what runs the models: "torch", "llama.cpp" or a serving engine
+        "device": info.device,
+        "dtype": info.dtype,
+        "runner": info.runner,  # the target's forward: "lean" (engine/runner.py), "hf" or "llama.cpp"
+        "kernel": info.kernel,  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
         # a serving engine's client knows its own machine only; the server's configuration is its own key
-        "hardware": client_info() if remote else hardware_info(session.device_label, session.dtype_label),
-        "server": asdict(session.server) if remote else None,
+        "hardware": client_info() if info.remote else hardware_info(info.device, info.dtype),
+        "server": asdict(info.server) if info.remote else None,
         "mode": snapshot.mode,  # the mode selected at export time; what ran is rounds_by_mode
         "draft_len": snapshot.k,
         "sampling": asdict(snapshot.sampling),

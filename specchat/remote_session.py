@@ -1,6 +1,6 @@
 """A conversation with a serving engine (llama-server, vLLM): the same turns, rounds and statistics as a
-local session, built from what the server streams (engine/remote.py), so the chat, `generate` and the exports
-work on top unchanged. No torch on this path.
+local session, built from what the server streams (engine/remote.py), behind the same session interface
+(conversation.ChatSession), so the chat, `generate` and the exports work on top unchanged. No torch on this path.
 
 Modes are the server configurations (`--server NAME=URL`, one each; a server without drafting is the plain
 baseline). The draft length is each server's own: the pinned llama-server ignores a request's speculative.n_max.
@@ -18,6 +18,7 @@ from specchat.conversation import Conversation, Turn
 from specchat.engine import remote
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.events import RoundRecord
+from specchat.engine.info import EngineInfo
 from specchat.engine.metrics import Stats
 from specchat.engine.sampling_params import SamplingParams
 
@@ -43,7 +44,6 @@ class RemoteControls:
     k: int | None  # None: the draft length is the server's own setting (not reported to clients)
     sampling: SamplingParams
     rule: ServerRule = ServerRule()
-    drafter = None  # no local drafter (the snapshot reads its attributes with getattr)
     adaptive = None
 
 
@@ -52,6 +52,8 @@ class RemoteUnavailable(ModeUnavailable):
 
 
 class RemoteSession(Conversation):
+    """Serving engines behind the session interface: a mode is a server configuration."""
+
     def __init__(
         self,
         servers: list[remote.Server],
@@ -68,21 +70,21 @@ class RemoteSession(Conversation):
         self.controls = RemoteControls(self.server.name, None, sampling)
         self.seed, self.timeout = seed, timeout
         self.draft = None
-        self.device_label, self.dtype_label = "server", ""
-        self.warnings: list[str] = []  # reconstructions that did not add up to the server's counters
         self.reconstructions: list = []  # per generation: its LlamaServerSteps or VllmSteps
         for s in servers:
             if s.speculative is None:
                 self.notices.append(f"{s.name} ({s.url}) does not speculate: every token is a plain target step")
 
     @property
-    def engine_label(self) -> str:
-        return self.server.engine
+    def info(self) -> EngineInfo:
+        """The current configuration's server runs the models; its engine stands for the runner and the kernel."""
+        engine = self.server.engine
+        return EngineInfo(engine, engine, engine, device="server", dtype="", server=self.server)
 
     @property
-    def state(self):
-        """What the front ends read of a local session's target state: which engine runs it."""
-        return SimpleNamespace(runner=self.server.engine, kernel=self.server.engine)
+    def mode_drafter(self) -> None:
+        """No local drafter: the server drafts."""
+        return None
 
     @property
     def target(self):
@@ -94,6 +96,10 @@ class RemoteSession(Conversation):
         """Check that `mode` exists here (the chat builds a local mode's drafter at this point)."""
         if mode not in self.modes:
             raise RemoteUnavailable(f"not a configuration of this session (these are: {', '.join(self.modes)})")
+
+    def preparing(self, mode: str) -> None:
+        """Nothing to build: a configuration is a server that runs already."""
+        return None
 
     def set_mode(self, mode: str) -> None:
         """From the next request (a server reads its settings once per request)."""

@@ -17,13 +17,15 @@ from specchat.conversation import Conversation, PromptTooLong, Turn
 from specchat.engine.detokenize import IncrementalDecoder
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
+from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.drafters.head import fingerprint
 from specchat.engine.events import RoundRecord
+from specchat.engine.info import EngineInfo
 from specchat import repack_probe
 from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams
-from specchat.engine.target import TargetState
+from specchat.engine.target import CachedTarget
 from specchat.models import LoadedModel
 from specchat.modes import MODES, TUNABLE
 
@@ -75,7 +77,8 @@ def auto_setup(target: LoadedModel, draft: LoadedModel | None, device, options: 
 
 
 class Session(Conversation):
-    """Owns the target state (whose KV cache is reused across turns) and one drafter per mode used."""
+    """A local model behind the front ends' session interface (conversation.ChatSession): owns the target state
+    (whose KV cache is reused across turns) and one drafter per mode used."""
 
     def __init__(
         self,
@@ -104,19 +107,26 @@ class Session(Conversation):
         self._history: tuple[list[dict], list[int]] | None = None  # messages so far and the exact ids they ran as
         self.modes = MODES
         self.eos_ids = target.eos_ids
-        self.device_label, self.dtype_label = str(self.state.device), target.dtype_name
-        self.engine_label = target.engine  # "torch" or "llama.cpp"
-        if self.engine_label == "llama.cpp" and repack_probe.verdict().notice:
+        # what runs the models, for the front ends (load_session names the device and dtype it chose)
+        self.info = EngineInfo(target.engine, self.state.runner, self.state.kernel, str(self.state.device), target.dtype_name)
+        if self.info.engine == "llama.cpp" and repack_probe.verdict().notice:
             self.notices.append(repack_probe.verdict().notice)
 
     # -- modes
     def measure_baseline(self, every: int = BASELINE_EVERY) -> None:
         """Interleave one plain round (mode off: ordinary decoding, so replies stay exact) after every `every`
         rounds of another mode, the first one early, so the baseline is re-measured under the conditions of
-        what it is compared with; 0 stops it."""
-        self.controls.baseline = self.drafter("off") if every else None
-        self.controls.baseline_every = every
-        self.controls.rounds_since_baseline = max(every - 1, 0)  # round 1 runs plain (round 0's token came with the prefill)
+        what it is compared with; 0 stops it. The rounds are chosen by a drafter around the mode's
+        (drafters/baseline.py), through the loop's drafter hook."""
+        drafter = self.mode_drafter
+        # round 1 runs plain (round 0's token came with the prefill)
+        self.controls.drafter = InBandBaseline(drafter, self.drafter("off"), every, since=every - 1) if every else drafter
+
+    @property
+    def mode_drafter(self) -> Drafter:
+        """The current mode's drafter, also while the in-band baseline runs around it."""
+        drafter = self.controls.drafter
+        return drafter.drafter if isinstance(drafter, InBandBaseline) else drafter
 
     def drafter(self, mode: str) -> Drafter:
         """Build a mode's drafter once and keep it (raises ModeUnavailable)."""
@@ -165,14 +175,13 @@ class Session(Conversation):
         if auto is not None and self.earlier_sessions:
             auto.save()
 
-    def engine(self) -> tuple[TargetState, Controls]:
+    def engine(self) -> tuple[CachedTarget, Controls]:
         """Another engine over the same weights: its own KV cache and drafter, this session's mode and settings.
         Draws that run in parallel threads (`specchat verify`) each need one; a drafter keeps per-sequence state."""
         mode = self.mode
         draft_model = self.draft.model if self.draft else None
         drafter = build_drafter(mode, self.target.model, draft_model, **drafter_options(self.target.model, mode, self.mode_options))
-        controls = dataclasses.replace(self.controls, drafter=drafter, adaptive=copy.deepcopy(self.controls.adaptive),
-                                       baseline=None, baseline_every=0, rounds_since_baseline=0)
+        controls = dataclasses.replace(self.controls, drafter=drafter, adaptive=copy.deepcopy(self.controls.adaptive))
         return target_state(self.target.model, self.state.runner), controls
 
     def configure_mode(self, mode: str, **settings) -> None:
@@ -181,8 +190,12 @@ class Session(Conversation):
         self._drafters.pop(mode, None)
 
     def set_mode(self, mode: str) -> None:
-        """Takes effect at the next round, also in the middle of a reply."""
-        self.controls.drafter = self.drafter(mode)
+        """Takes effect at the next round, also in the middle of a reply (the in-band baseline keeps its count)."""
+        drafter = self.drafter(mode)
+        if isinstance(self.controls.drafter, InBandBaseline):
+            self.controls.drafter.drafter = drafter
+        else:
+            self.controls.drafter = drafter
 
     # -- prompts
     def chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -212,7 +212,7 @@ def parallel_engines(session) -> int:
     second of one engine on two threads (earlyexit, SmolLM2-135M, OpenMP's passive wait): a round is a chain
     of small operations, and every one of them makes two threads meet. On CUDA, and on the HF forward (whose
     modules may keep state between calls), one."""
-    if session.state.device.type != "cpu" or session.state.runner not in ("lean", "llama.cpp") or not hasattr(session, "engine"):
+    if session.state.device.type != "cpu" or session.info.runner not in ("lean", "llama.cpp"):
         return 1
     return max(1, torch.get_num_threads())
 
@@ -323,11 +323,12 @@ class TargetConditionals:
 
     def __init__(self, model, prompt: list[int], params) -> None:
         from specchat.engine.cache import forward_logits, new_cache
+        from specchat.engine.llamacpp import on_llama_cpp
 
         self.model, self.prompt, self.params = model, list(prompt), params
         self.forwards = 0
         self.context = None  # llama.cpp: one context, the prompt prefilled once, each sequence fed after it
-        if getattr(model, "engine", "torch") == "llama.cpp":
+        if on_llama_cpp(model):
             self.context = model.context()
             if len(prompt) > 1:
                 self.context.decode(self.prompt[:-1], 0, keep=1)

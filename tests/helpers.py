@@ -21,11 +21,13 @@ from specchat.engine.drafters import Drafter, ModeUnavailable
 from specchat.engine.drafters.head import DraftHead, head_spec
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.events import RoundRecord, TokenEvent
+from specchat.engine.info import EngineInfo
 from specchat.engine.llamacpp import target_state
 from specchat.engine.loop import Controls, generate
 from specchat.engine.runner import lean_runner
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.sampling import logits_to_probs
+from specchat.modes import MODES
 from specchat.session import Session
 from specchat.verify import TargetConditionals, conditional_tests, sample_continuations
 
@@ -298,10 +300,11 @@ class FakeSession(Session):
         self.slow_modes, self.build_gate = set(slow_modes), threading.Event()  # slow drafters wait for build_gate
         self.controls = Controls(self.drafter(mode), k=k, sampling=SamplingParams(temperature=0.0))
         self.messages, self.turns, self.stats, self.plain_for = [], [], {}, {}
+        self.notices, self.warnings, self.modes = [], [], MODES
         self._history = None
         self.lock = threading.RLock()
         self.eos_ids = {EOS}
-        self.device_label, self.dtype_label = "cpu", "float32"
+        self.info = EngineInfo("torch", "hf", "torch", "cpu", "float32")
         self.script = list(reply)
         self.gate = threading.Semaphore(0) if gated else None
         self.delay, self.fail_at = delay, fail_at

@@ -62,7 +62,7 @@ def play(auto, speeds: dict[str, float], rounds: int, text: list[int] | None = N
     text = text if text is not None else list(range(1, 10_000))
     tokens, chosen = text[:3], []
     for i in range(rounds):
-        mode = auto.for_round(SimpleNamespace(tokens=tokens), T1).name
+        mode = auto.for_round(SimpleNamespace(tokens=tokens, head=None), T1).name
         chosen.append(mode)
         drafted, emitted = (0, 1) if mode == "off" else (k, 2)
         if mode == "suffix":
@@ -125,7 +125,7 @@ def test_remembered_rates_choose_from_the_first_round_and_are_saved():
     assert second.memory.rates["T=1 top_k=0 top_p=1"]["head"]["rounds"] == saved["head"]["rounds"] + second.rates["head"].live
     assert second.memory.rates["T=1 top_k=0 top_p=1"]["off"] == saved["off"]  # not run again: kept as it was
     # greedy was never measured: it warms up as a setup never seen
-    assert second.for_round(SimpleNamespace(tokens=[1, 2, 3]), SamplingParams(0.0)).name == "off"
+    assert second.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), SamplingParams(0.0)).name == "off"
 
 
 def test_a_remembered_choice_that_turned_bad_is_dropped():
@@ -291,7 +291,7 @@ def test_a_candidate_that_never_drafts_finishes_its_warm_up_and_loses():
     auto = scripted_auto()
     chosen = []
     for i in range(4 * WARMUP):
-        mode = auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), T1).name
+        mode = auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), T1).name
         chosen.append(mode)
         auto.observe(round_record(mode=mode, drafted=0, index=i + 1, tokens=[0], expected_tokens=1.0, stop_reason=None,
                                      draft_s=0.003 if mode == "head" else 0.0, verify_s=0.01))
@@ -304,8 +304,8 @@ def test_estimates_are_kept_per_sampling_setting():
     auto = scripted_auto()
     play(auto, {"off": 100.0, "head": 130.0}, 30)  # T=1: head pays
     greedy = SamplingParams(0.0)
-    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), greedy).name == "off"  # greedy starts measuring afresh
-    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), T1).name == "head"  # and T=1 keeps what it learnt
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), greedy).name == "off"  # greedy starts measuring afresh
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), T1).name == "head"  # and T=1 keeps what it learnt
 
 
 def test_a_round_counts_its_expected_tokens():

@@ -484,17 +484,17 @@ def test_the_explanation_names_where_the_figures_come_from():
 
 def test_for_round_counts_rounds_and_uses_the_settings_table():
     auto = auto_with("head")
-    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2]), T1)
+    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2], head=None), T1)
     assert drafter is auto.candidates["off"] and auto.rounds == 1 and auto.rates is auto.tables[T1_KEY]
     auto.rates["off"] = rate(100.0, rounds=2)
-    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2]), T1)
+    drafter = auto.for_round(SimpleNamespace(tokens=[1, 2], head=None), T1)
     assert drafter is auto.candidates["head"] and (auto.arm, auto.choice, auto.rounds) == ("head", "head", 2)
     assert auto.why == "measuring every mode first"
     suffix = Suffix(7)
     auto = auto_with(suffix=suffix)
     auto.rates = auto._table(T1)
     auto._table(T1)["off"] = rate(100.0)
-    assert auto.for_round(SimpleNamespace(tokens=[1]), T1) is suffix and (auto.arm, auto.choice) == ("suffix≥6", "suffix")
+    assert auto.for_round(SimpleNamespace(tokens=[1], head=None), T1) is suffix and (auto.arm, auto.choice) == ("suffix≥6", "suffix")
 
 
 # ---------------------------------------------------------------- observe
@@ -618,11 +618,11 @@ def test_a_matched_suffix_arm_is_measured_by_shadows_in_rounds_another_mode_runs
     auto.verify_s = {1: 0.01, 5: 0.05}
     suffix.scripted = [7, 8]
     tokens = [1, 2, 3]
-    assert auto.for_round(SimpleNamespace(tokens=tokens), GREEDY).name == "off"  # no forced suffix round: it has a cost
+    assert auto.for_round(SimpleNamespace(tokens=tokens, head=None), GREEDY).name == "off"  # no forced suffix round: it has a cost
     assert [(s.arm, s.drafts) for s in auto.shadows] == [("suffix2", [7, 8])]
     auto.observe(record("off", drafted=0, tokens=[7], draft_s=0.0, verify_s=0.01))
     assert len(auto.shadows) == 1 and auto.rates["suffix2"].rounds == 0  # 7 matched; 8 undecided
-    auto.for_round(SimpleNamespace(tokens=tokens + [7]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=tokens + [7], head=None), GREEDY)
     auto.observe(record("off", drafted=0, tokens=[9], draft_s=0.0, verify_s=0.01))  # decides the first: 2 tokens
     r = auto.rates["suffix2"]
     # the first shadow: 7 matched, 9 is not 8: 2 tokens; the second (after 7, drafts 7, 8): 9 at once, 1 token
@@ -650,7 +650,7 @@ def test_shadows_ask_for_and_are_priced_at_the_suffix_drafters_own_draft_length(
     assert auto.choose([1, 2, 3]) == ("suffix≥6", "measuring every mode first")  # v(7) unknown: it runs
     auto.verify_s[1] = 0.01
     assert auto.verify_cost(7) == pytest.approx(0.07)
-    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), GREEDY).name == "off"
+    assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), GREEDY).name == "off"
     assert [s.drafts for s in auto.shadows] == [[7, 8, 9, 10, 11, 12]]
 
 
@@ -658,17 +658,17 @@ def test_shadows_are_dropped_at_a_new_prompt_a_reset_and_undecided_at_a_replys_e
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
     auto.k, auto.verify_s, auto.next_position = 4, {1: 0.01, 5: 0.05}, 3
-    auto.for_round(SimpleNamespace(tokens=[1, 2, 3]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), GREEDY)
     auto.observe(record("off", drafted=0, tokens=[7], stop="eos"))  # 8 never judged: dropped, not scored
     assert auto.shadows == [] and auto.rates["suffix2"].rounds == 0
-    auto.for_round(SimpleNamespace(tokens=[1, 2, 3, 7, 4, 4]), GREEDY)  # the next prompt (3 + 1 tokens expected: 6)
+    auto.for_round(SimpleNamespace(tokens=[1, 2, 3, 7, 4, 4], head=None), GREEDY)  # the next prompt (3 + 1 tokens expected: 6)
     assert len(auto.shadows) == 1
     auto.observe(record("off", drafted=0, tokens=[9], stop="eos"))  # decided at the end: scored
     assert auto.rates["suffix2"].rounds == 1 and auto.shadows == []
-    auto.for_round(SimpleNamespace(tokens=[1, 2]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=[1, 2], head=None), GREEDY)
     assert len(auto.shadows) == 1
     auto.next_position = 99  # a rewind (or a cancelled reply): the next round does not continue this one
-    auto.for_round(SimpleNamespace(tokens=[1, 2]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=[1, 2], head=None), GREEDY)
     assert len(auto.shadows) == 1  # the old one dropped, this round's added
     auto.reset()
     assert auto.shadows == []
@@ -678,13 +678,13 @@ def test_no_shadow_where_suffix_runs_has_no_match_or_k_is_unknown():
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
     auto.verify_s = {1: 0.01, 5: 0.05}
-    auto.for_round(SimpleNamespace(tokens=[1]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=[1], head=None), GREEDY)
     assert auto.shadows == []  # K not known yet (no round observed)
     auto.k = 4
     auto.rates["suffix2"] = rate(500.0)
-    assert auto.for_round(SimpleNamespace(tokens=[1]), GREEDY).name == "suffix" and auto.shadows == []
+    assert auto.for_round(SimpleNamespace(tokens=[1], head=None), GREEDY).name == "suffix" and auto.shadows == []
     suffix.length = 0
-    auto.for_round(SimpleNamespace(tokens=[1]), GREEDY)
+    auto.for_round(SimpleNamespace(tokens=[1], head=None), GREEDY)
     assert auto.shadows == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -249,7 +250,7 @@ def test_the_configuration_says_what_ran(tmp_path):
     assert (hardware["device"], hardware["dtype"], hardware["torch"]) == ("cpu", "float32", torch.__version__)
     assert datetime.fromisoformat(data["created"]).utcoffset() == timedelta(0)
 
-    session.engine_label, session.state.runner, session.state.kernel = "llama.cpp", "lean", "fused"
+    session.info = dataclasses.replace(session.info, engine="llama.cpp", runner="lean", kernel="fused")
     session.turns[0].rounds[1].exact = False  # one round under an approximate rule: the session was not exact
     config = session_data(session)["config"]
     assert (config["engine"], config["runner"], config["kernel"], config["exact"]) == ("llama.cpp", "lean", "fused", False)
@@ -261,11 +262,11 @@ def test_the_configuration_says_what_ran(tmp_path):
 
 
 def test_a_remote_session_exports_the_server_and_only_the_clients_machine(tmp_path):
-    """A serving engine's session (it has `servers`): the server's configuration under its own key, and the client's
+    """A serving engine's session (its EngineInfo names the server): the server's configuration under its own key, and the client's
     machine without the torch keys of a local run (the models did not run here)."""
     session = FakeSession()
     server = Server(name="llama-server", url="http://127.0.0.1:8080", engine="llama-server", model="m", speculative="draft")
-    session.servers, session.server = {server.name: server}, server
+    session.info = dataclasses.replace(session.info, server=server)
     list(session.reply("hi"))
     config = session_data(session)["config"]
     assert config["server"] == asdict(server)

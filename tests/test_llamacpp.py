@@ -250,7 +250,7 @@ def test_a_session_runs_auto_on_llama_cpp_and_says_which_engine(gguf_loaded):
     from specchat.session import Session
 
     session = Session(gguf_loaded, mode="auto", sampling=SamplingParams(0.7), seed=1, max_new_tokens=24)
-    assert isinstance(session.state, LlamaTargetState) and session.engine_label == "llama.cpp" and session.dtype_label == "F32"
+    assert isinstance(session.state, LlamaTargetState) and session.info.engine == "llama.cpp" and session.info.dtype == "F32"
     auto = session.controls.drafter
     assert isinstance(auto, AutoDrafter) and {"off", "suffix", "quant"} <= set(auto.candidates)  # quant: a Q4_0 copy of an F32 file
     rounds = list(session.reply("hello world hello world"))

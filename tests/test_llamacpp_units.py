@@ -29,7 +29,7 @@ from specchat.engine.llamacpp import (  # noqa: E402
     quantize,
     target_state,
 )
-from specchat.engine.target import TargetState  # noqa: E402
+from specchat.engine.target import CachedTarget, Target, TargetState  # noqa: E402
 
 V = 6  # the fake model's vocabulary
 
@@ -523,10 +523,10 @@ def test_a_context_is_freed_before_the_model_it_was_made_from(fake):
 def test_the_target_state_starts_as_a_fresh_torch_state_does(fake, tiny_target):
     model = GGUFModel("m.gguf")
     state, ref = LlamaTargetState(model), TargetState(tiny_target, "hf")
-    assert (state.tokens, state.head, state.features, state.known, state.past) == (ref.tokens, ref.head, ref.features, ref.known, ref.past)
+    assert (state.tokens, state.head, state.past) == (ref.tokens, ref.head, ref.past)
     assert state.model is model and state.vocab_size == V and state.context_len == 64 and state.cache.n_ctx == 64
     assert state.device == torch.device("cpu") and state.kernel == "llama.cpp" and state.runner == "llama.cpp"
-    assert state.lean is None
+    assert not hasattr(state, "lean")  # no lean runner: the modes that run the target's layers are torch's
 
 
 def test_start_verify_commit_feed_the_right_positions(fake):
@@ -545,8 +545,11 @@ def test_start_verify_commit_feed_the_right_positions(fake):
 
 
 def test_the_state_keeps_no_features(fake):
-    with pytest.raises(NotImplementedError, match="^llama.cpp keeps no per-position features$"):
-        LlamaTargetState(GGUFModel("m.gguf")).record(torch.zeros(1, 1, 4), 0)
+    """Torch's state and llama.cpp's implement the Target contract side by side: llama.cpp's has no features to
+    record (a drafter that needs them is refused on this engine), not a method that refuses."""
+    state = LlamaTargetState(GGUFModel("m.gguf"))
+    assert not hasattr(state, "record") and not hasattr(state, "features") and not hasattr(state, "known")
+    assert isinstance(state, Target) and isinstance(state, CachedTarget) and not isinstance(state, TargetState)
 
 
 # ---------------------------------------------------------------- quantize

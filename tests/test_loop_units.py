@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specchat.engine.drafters.base import Drafter, Proposal
+from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.acceptance import EXACT
 from specchat.engine.loop import AdaptiveK, Controls, clock, generate, one_hot, top_alternatives
 from specchat.engine.sampling import SamplingParams
@@ -229,19 +230,45 @@ def test_a_full_block_past_the_budget_is_cut_to_it():
 
 
 def test_baseline_runs_one_plain_round_after_every_baseline_every_rounds():
-    """baseline_every=2: two rounds of the mode, one plain (K=0, the baseline drafter), and so on; the count
-    carries over between generations."""
+    """every=2: two rounds of the mode, one plain (K=0, the baseline drafter), and so on, chosen through the drafter
+    hook alone; the count carries over between generations."""
     off = Scripted("off")
-    controls = Controls(Scripted("mode"), k=1, sampling=GREEDY, baseline=off, baseline_every=2)
+    baseline = InBandBaseline(Scripted("mode"), off, every=2)
+    controls = Controls(baseline, k=1, sampling=GREEDY)
+    assert controls.mode == "mode"
     recs = list(generate(CounterState(), [0], controls, max_new_tokens=10, eos_ids=set()))
     assert [r.mode for r in recs] == ["mode", "mode", "off", "mode", "mode", "off"]
     assert [r.draft_len for r in recs] == [1, 1, 0, 1, 1, 0] and off.ks == []
-    assert [t.kind for t in recs[2].tokens] == ["target"] and controls.rounds_since_baseline == 0
+    assert [t.kind for t in recs[2].tokens] == ["target"] and baseline.since == 0
     recs = list(generate(CounterState(), [0], controls, max_new_tokens=2, eos_ids=set()))
-    assert controls.rounds_since_baseline == 1  # one mode round (2 tokens) counted
-    never = Controls(Scripted("mode"), k=1, sampling=GREEDY, baseline=off, baseline_every=0)
-    recs = list(generate(CounterState(), [0], never, max_new_tokens=8, eos_ids=set()))
-    assert {r.mode for r in recs} == {"mode"} and never.rounds_since_baseline == 0
+    assert baseline.since == 1  # one mode round (2 tokens) counted
+    never = InBandBaseline(Scripted("mode"), off, every=0)
+    recs = list(generate(CounterState(), [0], Controls(never, k=1, sampling=GREEDY), max_new_tokens=8, eos_ids=set()))
+    assert {r.mode for r in recs} == {"mode"} and never.since == 0
+
+
+def test_the_baseline_counts_only_rounds_that_did_not_run_plain_and_passes_every_round_on():
+    """A mode that picks plain decoding itself (auto choosing off, mode off) is not interrupted by another plain round;
+    the mode's drafter observes every round, the plain ones too (auto learns plain decoding's rate from them)."""
+
+    class Picks(Scripted):
+        def __init__(self, picks):
+            super().__init__("picker")
+            self.picks, self.seen = picks, []
+
+        def for_round(self, state, params):
+            return self.picks.pop(0)
+
+        def observe(self, record):
+            self.seen.append(record.mode)
+
+    off, mode = Scripted("off"), Scripted("mode")
+    picker = Picks([mode, off, off, mode, mode, mode])
+    baseline = InBandBaseline(picker, off, every=2)
+    recs = list(generate(CounterState(), [0], Controls(baseline, k=1, sampling=GREEDY), max_new_tokens=11, eos_ids=set()))
+    assert [r.mode for r in recs] == ["mode", "off", "off", "mode", "off", "mode"]
+    assert [r.draft_len for r in recs] == [1, 1, 1, 1, 0, 1]  # only the baseline's own round drafts nothing
+    assert picker.seen == [r.mode for r in recs] and baseline.since == 1
 
 
 def test_on_probs_gets_each_rounds_tokens_p_and_q():

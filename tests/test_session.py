@@ -11,6 +11,7 @@ import torch
 
 from helpers import REPLY, VOCAB, FakeDrafter, FakeSession, tiny_model_dir
 from specchat.conversation import PromptTooLong
+from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.sampling import SamplingParams
 from specchat.models import load_model
 from specchat.modes import MODES as MODE_NAMES
@@ -199,7 +200,7 @@ def test_a_reply_is_recorded_without_special_tokens(tiny):
 def test_a_session_has_its_documented_defaults_and_labels(tiny):
     session = Session(tiny)
     assert (session.mode, session.controls.k, session.max_new_tokens) == ("off", 4, 256)
-    assert session.modes is MODE_NAMES and (session.device_label, session.engine_label) == ("cpu", "torch")
+    assert session.modes is MODE_NAMES and (session.info.device, session.info.engine) == ("cpu", "torch")
     assert Session(tiny, k=3).controls.k == 3
 
 
@@ -344,16 +345,21 @@ def test_another_engine_shares_the_weights_not_the_cache_drafter_or_baseline(tin
     assert controls.drafter is not session.controls.drafter and controls.mode == "draft"
     assert (controls.k, controls.sampling, controls.rule) == (3, SamplingParams(0.5), session.controls.rule)
     assert controls.adaptive is not session.controls.adaptive and controls.adaptive.start == 5
-    assert (controls.baseline, controls.baseline_every, controls.rounds_since_baseline) == (None, 0, 0)
+    assert isinstance(session.controls.drafter, InBandBaseline) and not isinstance(controls.drafter, InBandBaseline)
 
 
 def test_measure_baseline_runs_plain_rounds_every_n_and_the_first_at_once(tiny):
+    """The in-band baseline is a drafter around the mode's (the loop's one hook); a mode switch keeps its count."""
     session = Session(tiny, tiny, mode="draft")
     session.measure_baseline(8)
-    c = session.controls
-    assert (c.baseline.name, c.baseline is session.drafter("off"), c.baseline_every, c.rounds_since_baseline) == ("off", True, 8, 7)
+    c, draft = session.controls, session.drafter("draft")
+    b = c.drafter
+    assert (b.plain.name, b.plain is session.drafter("off"), b.every, b.since) == ("off", True, 8, 7)
+    assert b.drafter is draft and session.mode_drafter is draft and session.mode == "draft"
+    session.set_mode("lookup")
+    assert c.drafter is b and b.drafter is session.drafter("lookup") is session.mode_drafter and session.mode == "lookup"
     session.measure_baseline(0)
-    assert (c.baseline, c.baseline_every, c.rounds_since_baseline) == (None, 0, 0)
+    assert c.drafter is session.drafter("lookup") and session.mode == "lookup"
 
 
 def test_configure_mode_rebuilds_only_that_mode_and_token_text_keeps_specials(tiny):

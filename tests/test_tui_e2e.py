@@ -116,4 +116,4 @@ async def test_the_chat_s_default_mode_auto_with_the_default_model(default_model
     turn = session.turns[0]
     assert turn.reply_ids == plain.turns[0].reply_ids
     assert {"off", "head"} <= {r.mode for r in turn.rounds}
-    assert f"mode auto→{session.controls.drafter.choice}" in panel
+    assert f"mode auto→{session.mode_drafter.choice}" in panel  # (the chat wrapped it in its in-band baseline)

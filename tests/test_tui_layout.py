@@ -263,13 +263,11 @@ def test_why_auto_runs_plain_decoding_is_said_in_words_within_its_six_lines(k):
 async def test_the_header_keeps_the_sampling_and_the_default_model_s_whole_name(size, names):
     """The sampling settings always show; where the room is short, the device and kernel go before the model's name
     is cut (at 80 columns the header lost the sampling settings, at 120 a path model's showed "cpu Q4…")."""
-    from types import SimpleNamespace
-
     from specchat.engine.sampling import SamplingParams
 
     session = FakeSession()
-    session.target.name, session.dtype_label = "SmolLM2-135M-Instruct", "Q4_1"
-    session.state = SimpleNamespace(context_len=4096, kernel="llama.cpp")
+    session.target.name = "SmolLM2-135M-Instruct"
+    session.info = dataclasses.replace(session.info, dtype="Q4_1", kernel="llama.cpp")
     session.controls.sampling = SamplingParams(0.7, 0, 0.9)
     app = RecordingApp(session)
     async with app.run_test(size=size) as pilot:

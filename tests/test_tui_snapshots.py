@@ -6,6 +6,7 @@ Update after an intended visual change with: pytest tests/test_tui_snapshots.py 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -48,7 +49,7 @@ def long_paths_session() -> FakeSession:
 
     session = FakeSession(gated=True, draft_name="/home/someone/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
     session.target.name = "/home/someone/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    session.dtype_label = "Q4_K_M"
+    session.info = dataclasses.replace(session.info, dtype="Q4_K_M")
     session.controls.sampling = SamplingParams(0.7, 0, 0.9)
     return session
 

@@ -28,13 +28,13 @@ def run_all(configs: dict, prompts: list[dict], repeat: int, steps) -> list[dict
             for name in names[shift:] + names[:shift]:
                 session = configs[name]
                 steps(f"pass {rep + 1}/{repeat} · {prompt['name']} · {name}")
-                seen = len(getattr(session, "warnings", []))  # a warning after this belongs to this run
+                seen = len(session.warnings)  # a warning after this belongs to this run
                 messages = [{"role": "user", "content": prompt["prompt"]}]
                 rounds = list(session.complete(session.chat_prompt(messages)))
                 runs.append({
                     "config": name, "prompt": prompt["name"], "pass": rep, "text": session.turns[-1].reply,
                     "rounds": len(rounds), "stats": Stats.of(rounds).summary(),
-                    "reconciled": len(getattr(session, "warnings", [])) == seen,
+                    "reconciled": len(session.warnings) == seen,
                 })
     return runs
 
@@ -42,8 +42,8 @@ def run_all(configs: dict, prompts: list[dict], repeat: int, steps) -> list[dict
 def baseline_of(configs: dict, runs: list[dict]) -> str:
     """A server that does not speculate (its /slots say so), else local mode off, else a configuration that never
     drafted in this run (an n-gram drafter that found nothing), else the first."""
-    plain = [n for n, s in configs.items() if getattr(s, "server", None) is not None and s.server.speculative is None]
-    local_off = [n for n, s in configs.items() if getattr(s, "server", None) is None and s.mode == "off"]
+    plain = [n for n, s in configs.items() if s.info.remote and s.info.server.speculative is None]
+    local_off = [n for n, s in configs.items() if not s.info.remote and s.mode == "off"]
     never = [n for n in configs if all(r["stats"]["num_draft_tokens"] == 0 for r in runs if r["config"] == n)]
     return (plain + local_off + never + list(configs))[0]
 
@@ -59,12 +59,12 @@ def summarise(configs: dict, runs: list[dict]) -> dict:
             ref = by_key.get((r["prompt"], r["pass"], base))
             if ref and r["stats"]["tokens_per_s"] and ref["stats"]["tokens_per_s"]:
                 ratios.append(r["stats"]["tokens_per_s"] / ref["stats"]["tokens_per_s"])
-        total = session.total
+        total, info = session.total, session.info
         same_text = [r["text"] == by_key[(r["prompt"], r["pass"], base)]["text"] for r in mine if (r["prompt"], r["pass"], base) in by_key]
         rows.append({
             "config": name,
-            "engine": getattr(session, "engine_label", "torch"),
-            "what": session.server.label if hasattr(session, "server") else f"local {session.mode} on {session.engine_label}",
+            "engine": info.engine,
+            "what": info.server.label if info.remote else f"local {session.mode} on {info.engine}",
             "median_tokens_per_s": statistics.median(r["stats"]["tokens_per_s"] or 0 for r in mine),
             "median_ratio_to_baseline": statistics.median(ratios) if ratios else None,
             "median_first_token_s": statistics.median(r["stats"]["time_to_first_token_s"] or 0 for r in mine),

@@ -65,8 +65,8 @@ def generate(prompt, raw, fmt, **opts):
     turn = session.turns[-1]
     summary = {
         **config_summary(session),
-        "runner": getattr(session.state, "runner", "hf"),  # the target's forward: "lean" (engine/runner.py) or "hf"
-        "kernel": getattr(session.state, "kernel", "torch"),  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
+        "runner": session.info.runner,  # the target's forward: "lean" (engine/runner.py), "hf" or "llama.cpp"
+        "kernel": session.info.kernel,  # its matmuls: "fused" (engine/smallbatch.py) or "torch"
         "exact": turn.stats.exact,
         "prompt_tokens": turn.prompt_tokens,
         "stop_reason": "interrupted" if interrupted else turn.stop_reason,
@@ -74,7 +74,7 @@ def generate(prompt, raw, fmt, **opts):
         **turn.stats.summary(),
     }
     summary["notices"] = list(session.notices)  # what loading had to say (llama.cpp's repacking off, ...)
-    if getattr(session, "servers", None):  # the server's counters against the reconstructed steps
+    if session.info.remote:  # the server's counters against the reconstructed steps
         summary["reconciled"] = not session.warnings
         summary["warnings"] = list(session.warnings)
     if fmt == "json":

@@ -6,6 +6,7 @@ Commands import this module; it imports no command.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import click
 
-from specchat import gguf_header, threads
+from specchat import threads
+from specchat.engine import gguf_header
 from specchat.engine.errors import TORCH_ONLY
 from specchat.modes import MODES
 
@@ -404,13 +406,13 @@ def load_session(opts: dict, *, quiet: bool = False, progress=None):
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7
         session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
-    if session.engine_label == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
+    if session.info.engine == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
             and (not opts.get("draft") or is_gguf(opts["draft"])):
         session.notices.append(f"llama-cpp-python is not installed, so this GGUF runs dequantised on torch; on llama.cpp plain "
                                f"decoding of the default model ran 2.3x faster on the reference machine: {LLAMA_CPP_INSTALL}")
-    session.device_label = str(device)
-    if session.engine_label == "torch":
-        session.dtype_label = str(dtype).removeprefix("torch.")
+    # the device and dtype as chosen (a GGUF on llama.cpp keeps its file's type)
+    label = str(dtype).removeprefix("torch.") if session.info.engine == "torch" else session.info.dtype
+    session.info = dataclasses.replace(session.info, device=str(device), dtype=label)
     return session
 
 
@@ -470,11 +472,12 @@ def load_remote_session(opts: dict):
 
 def config_summary(session) -> dict:
     """The settings a result was produced with (every summary and report starts with these)."""
-    sampling = session.controls.sampling
-    if getattr(session, "servers", None):  # a RemoteSession: the server's threads and device are its own
+    sampling, info = session.controls.sampling, session.info
+    if info.remote:  # the server's threads and device are its own
+        server = info.server
         return {
-            "target": session.server.model, "server": session.server.url, "engine": session.server.engine,
-            "server_version": session.server.version, "speculative": session.server.speculative, "draft": None,
+            "target": server.model, "server": server.url, "engine": server.engine,
+            "server_version": server.version, "speculative": server.speculative, "draft": None,
             "mode": session.mode, "draft_len": session.controls.k, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": session.seed, "device": "server", "dtype": "",
             "threads": None, "accept": session.controls.rule.name,
@@ -490,9 +493,9 @@ def config_summary(session) -> dict:
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
         "seed": session.seed,
-        "engine": session.engine_label,
-        "device": session.device_label,
-        "dtype": session.dtype_label,
+        "engine": info.engine,
+        "device": info.device,
+        "dtype": info.dtype,
         "threads": torch.get_num_threads(),
         "threads_adaptive": threads.adaptive(),
         "accept": session.controls.rule.name,

@@ -112,7 +112,7 @@ def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
             f"verify K=4 {c.verify.get(4, float('nan')):.2f}, K=8 {c.verify.get(8, float('nan')):.2f}   "
             f"calibration: {len(prompts)} prompts, {result.calibration_tokens} greedy tokens, seed {seed}", soft_wrap=True
         )
-    table = Table(title=f"{tune_mode}: best settings on {session.target.name} ({session.device_label}/{session.dtype_label})")
+    table = Table(title=f"{tune_mode}: best settings on {session.target.name} ({session.info.device}/{session.info.dtype})")
     # costs are relative to one plain target step; the speedup is predicted from the replayed greedy rounds
     for col in ("setting", "K", "accept", "tok/round", "draft", "verify", "speedup"):
         table.add_column(col, justify="right")

@@ -8,7 +8,7 @@ is marked for output), one forward for a prompt that keeps only the last positio
 specchat's.
 
 A `GGUFModel` is the weights, loaded once; each `Context` made from it is one KV cache (the target's, a
-draft's, another engine's for verify's parallel draws). `LlamaTargetState` is TargetState over a Context.
+draft's, another engine's for verify's parallel draws). `LlamaTargetState` is the loop's Target over a Context.
 
 p on this engine is what llama.cpp computes for the positions of a batch. A batch of K+1 positions may round
 differently from a one-token decode (ggml takes other matmul paths for several rows), so greedy output with
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specchat.engine.target import TargetState
+from specchat.engine.target import CachedTarget, TargetState
 
 N_BATCH = 512  # positions per llama_decode call (longer prompts go in chunks)
 # llama.cpp reserves a context's whole KV cache at once (a Llama-3-8B: 128 KiB a position); the torch engine grows
@@ -193,38 +193,24 @@ class Context:
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-class LlamaTargetState(TargetState):
-    """TargetState on llama.cpp: the same invariant, start/verify/commit, over a Context instead of torch's KV cache.
+class LlamaTargetState(CachedTarget):
+    """The Target contract on llama.cpp, beside torch's TargetState: the same bookkeeping (CachedTarget) over a
+    Context instead of torch's KV cache (forward's crop happens inside Context.decode).
 
-    There is no lean runner and no per-layer entry point here, and the last layer's features are not kept: the
-    modes that need them (layerskip, earlyexit, lowrank, head) run on the torch engine only. Only `forward` and
-    `_crop` differ from torch's (forward's crop happens inside Context.decode); `__init__` sets the fields
-    TargetState's methods read, without torch's runner.
+    There is no lean runner, no per-layer entry point and no record of the last layer's features here: the modes
+    that need them (layerskip, earlyexit, lowrank, head) run on the torch engine only.
     """
 
     runner = "llama.cpp"
-    lean = None
+    kernel = "llama.cpp"
 
-    def __init__(self, model: GGUFModel, runner: str = "auto") -> None:  # `runner` is torch's choice: ignored
+    def __init__(self, model: GGUFModel) -> None:
+        super().__init__(model.vocab_size, model.context_len, model.device)
         self.model = model
         self.cache = model.context()
-        self.tokens: list[int] = []
-        self.head: torch.Tensor | None = None
-        self.features = None
-        self.known = 0
-        self.vocab_size = model.vocab_size
-        self.context_len = model.context_len
-        self.device = model.device
-
-    @property
-    def kernel(self) -> str:
-        return "llama.cpp"
 
     def forward(self, ids: list[int], past: int, keep: int) -> torch.Tensor:
         return self.cache.decode(ids, past, keep)
-
-    def record(self, hidden, past) -> None:
-        raise NotImplementedError("llama.cpp keeps no per-position features")
 
     def _crop(self, length: int) -> None:
         self.cache.crop(length)
@@ -245,8 +231,8 @@ def quantize(source: Path, dest: Path, file_type: str) -> None:
         raise EngineError(f"llama.cpp could not quantise {source.name} to {file_type} (status {status})")
 
 
-def target_state(model, runner: str = "auto") -> TargetState:
-    """The TargetState for `model`: llama.cpp's for a GGUF model it loaded (engine/llamacpp.py), else torch's."""
-    if getattr(model, "engine", "torch") == "llama.cpp":
+def target_state(model, runner: str = "auto") -> CachedTarget:
+    """The Target for `model`: llama.cpp's for a GGUF model it loaded, else torch's with `runner` (auto, lean or hf)."""
+    if on_llama_cpp(model):
         return LlamaTargetState(model)
     return TargetState(model, runner)

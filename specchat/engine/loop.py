@@ -12,7 +12,7 @@ from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.engine.sampling import SamplingParams, logits_to_probs
-from specchat.engine.target import TargetState
+from specchat.engine.target import Target
 
 TOP_ALTERNATIVES = 5
 UNWARPED = SamplingParams(1.0, 0, 1.0)  # p is then the model's own distribution
@@ -48,12 +48,6 @@ class Controls:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: AcceptRule = EXACT
     adaptive: AdaptiveK | None = None  # when set, it chooses K each round instead of `k`
-    # in-band baseline: with `baseline` (mode off's drafter) set, after every `baseline_every` rounds of another
-    # mode one round runs plain (an ordinary decoding round, so the output stays exact): the plain step is
-    # re-measured under the same conditions as the mode it is compared with
-    baseline: Drafter | None = None
-    baseline_every: int = 0
-    rounds_since_baseline: int = 0  # counted across generations, so short replies get plain rounds too
     # called every round with (emitted ids, p [K+1, V], q [K, V]): verify's draft-direction test reads the full
     # distributions there; None for everyone else (the loop then spends nothing on it)
     on_probs: Callable[[list[int], torch.Tensor, torch.Tensor], None] | None = None
@@ -84,7 +78,7 @@ def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]
 
 
 def generate(
-    state: TargetState,
+    state: Target,
     prompt: list[int],
     controls: Controls,
     *,
@@ -107,12 +101,8 @@ def generate(
     round_index = 0
     while produced < limit:
         chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
-        drafter = chooser.for_round(state, params)  # mode auto: the mode it picked for this round
+        drafter = chooser.for_round(state, params)  # mode auto: the mode it picked; the chat's baseline: a plain round
         want = drafter.draft_len(adaptive.k(drafter.name) if adaptive else controls.k)
-        if controls.baseline is not None and controls.baseline_every and drafter is not controls.baseline:
-            controls.rounds_since_baseline += 1
-            if controls.rounds_since_baseline > controls.baseline_every:  # after `baseline_every` rounds of the mode
-                drafter, want, controls.rounds_since_baseline = controls.baseline, 0, 0
         drafter.p_min = adaptive.p_min if adaptive else 0.0
         # never draft past the token budget (the last token needs no draft); the budget already keeps the verify
         # inside the context window: state.tokens is the prompt and the `produced` tokens after it

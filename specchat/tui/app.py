@@ -18,7 +18,7 @@ from contextlib import closing, contextmanager
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -29,7 +29,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from specchat.conversation import PromptTooLong
+from specchat.conversation import ChatSession, PromptTooLong
 from specchat.engine.errors import ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
 from specchat.fmt import shorten
@@ -45,9 +45,6 @@ from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import (Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StartupView, StatsPanel,
                                   UserView)
-
-if TYPE_CHECKING:  # the app runs on a local Session or a RemoteSession (which never imports torch)
-    from specchat.session import Session
 
 # While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
 # GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
@@ -130,9 +127,9 @@ class SpecChatApp(App):
 
     def __init__(
         self,
-        session: Session | None = None,
+        session: ChatSession | None = None,
         *,
-        load: Callable[[object], Session] | None = None,
+        load: Callable[[object], ChatSession] | None = None,
         theme: str | None = None,
         export_path: Path | None = None,
         theme_dirs: list[Path] | None = None,
@@ -143,7 +140,7 @@ class SpecChatApp(App):
         super().__init__()
         if (session is None) == (load is None):
             raise ValueError("give a session or a function that loads one")
-        self.session: Session | None = None  # None while `load` runs: the actions that need it wait (check_action)
+        self.session: ChatSession | None = None  # None while `load` runs: the actions that need it wait (check_action)
         self.load = load
         self.load_error: BaseException | None = None  # what stopped the loading (run_chat raises it after the app ends)
         self.loader: threading.Thread | None = None
@@ -151,9 +148,9 @@ class SpecChatApp(App):
         self.export_path = Path(export_path) if export_path else None
         self.reply_view: ReplyView | None = None
         self.snapshot = None  # what the panel shows: the latest from RoundDone, or taken after a change
-        self.modes: dict[str, str] = getattr(session, "modes", MODES)  # name -> what it is, in key order
+        self.modes: dict[str, str] = session.modes if session is not None else MODES  # name -> what it is, in key order
         self.mode_keys = {mode: key_label(key) for mode, key in mode_keys(self.modes).items()}  # as shown: "F2"
-        self.remote = getattr(session, "servers", None) is not None
+        self.remote = False  # a server runs the models (take_session reads the session's EngineInfo)
         self.unavailable: dict[str, str] = {}
         self.pending_mode: str | None = None
         self.queued: list[tuple[str, UserView]] = []  # messages sent while a reply streamed (or the model loaded), oldest first
@@ -169,12 +166,13 @@ class SpecChatApp(App):
         else:
             self.sub_title = "loading the model…"
 
-    def take_session(self, session: Session) -> None:
+    def take_session(self, session: ChatSession) -> None:
         """What the app derives from its session (once it is loaded)."""
         self.session = session
+        self.remote = session.info.remote
         if session.draft is None and "draft" in self.modes:
             self.unavailable["draft"] = "needs a separate draft model: start specchat with --draft MODEL"
-        if getattr(session, "engine_label", "torch") == "llama.cpp":  # known before anyone presses the key
+        if session.info.engine == "llama.cpp":  # known before anyone presses the key
             from specchat.engine.drafters import TORCH_ONLY
 
             self.unavailable.update({mode: f"needs the torch engine (--engine torch): it {why}" for mode, why in TORCH_ONLY.items()})
@@ -185,27 +183,27 @@ class SpecChatApp(App):
         self.snapshot = session.snapshot()
         # a long prompt reads for seconds before the first token: the reply says how far (posted from its thread)
         session.controls.on_prefill = lambda done, total: self.post_message(PrefillProgress(done, total))
-        self.startup_notices += list(getattr(session, "notices", []))
+        self.startup_notices += list(session.notices)
         self.sub_title = self.title_line()
 
     def title_line(self) -> str:
         """The header's second line: what runs the reply (the server configuration of a remote session), and how
         it samples. The settings always show; the names are cut in the middle to the width that is left."""
-        session = self.session
+        session, info = self.session, self.session.info
         s = session.controls.sampling
         sampling = "greedy" if s.greedy else f"T={s.temperature:g}" + (f" top-k {s.top_k}" if s.top_k else "") + (
             f" top-p {s.top_p:g}" if s.top_p < 1 else "")
         # the header shows "title — subtitle" between its icon (8 columns) and the space on its right (10)
         room = max(self.size.width, 40) - 18 - len(f"{self.title} — ")
-        if self.remote:
-            label = session.server.label
-            return f"{label} · {shorten(session.server.url, max(12, room - len(label) - len(sampling) - 6))} · {sampling}"
-        kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(getattr(session.state, "kernel", "torch"))
+        if info.remote:
+            label = info.server.label
+            return f"{label} · {shorten(info.server.url, max(12, room - len(label) - len(sampling) - 6))} · {sampling}"
+        kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(info.kernel)
         # a GGUF file's name without its suffix: the type (Q4_K_M) says it
         names = [Path(m.name).name.removesuffix(".gguf") for m in (session.target, session.draft) if m is not None]
-        where = " ".join(x for x in (session.device_label, session.dtype_label, kernel) if x)
+        where = " ".join(x for x in (info.device, info.dtype, kernel) if x)
         if len(" + ".join(names)) + len(where) + len(sampling) + 6 > room:  # narrow: the weights' type alone
-            where = session.dtype_label
+            where = info.dtype
         settings = " · ".join(x for x in (where, sampling) if x)
         return f"{fit_names(names, room - len(settings) - 3)} · {settings}"
 
@@ -553,7 +551,7 @@ class SpecChatApp(App):
             return
         self.pending_mode = mode
         self.refresh_panel()
-        making = self.session.preparing(mode) if hasattr(self.session, "preparing") else None
+        making = self.session.preparing(mode)
         if making:  # seconds of work: say what, also where the panel is hidden (narrow terminals)
             self.notify(f"Preparing mode {mode}: making {making}…", timeout=8)
         self.build_mode(mode)
@@ -804,7 +802,7 @@ class SpecChatApp(App):
         yield from super().get_system_commands(screen)
 
 
-def run_chat(session: Session | None = None, *, load: Callable[[object], Session] | None = None, theme: str | None = None,
+def run_chat(session: ChatSession | None = None, *, load: Callable[[object], ChatSession] | None = None, theme: str | None = None,
              export_path: Path | None = None, conversation: ConversationLog | None = None) -> None:
     """Run the chat app on a session, or on one `load` builds while the app is on screen, saving every turn (in a
     new conversation file unless one is given); on exit (also after a crash) write the export if asked."""

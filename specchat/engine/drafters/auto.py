@@ -282,7 +282,7 @@ class AutoDrafter(Drafter):
         self.next_position = len(state.tokens)
         # right after a prefill (round 0) the pending token's logits came with it: plain decoding's round is free and
         # measures nothing, a drafting round's verify is a real step
-        self.arm, self.why = self.choose(state.tokens, prefilled=getattr(state, "head", None) is not None)
+        self.arm, self.why = self.choose(state.tokens, prefilled=state.head is not None)
         self.choice = self.arm_mode[self.arm]
         if self.matched is not None and self.choice != "suffix" and self.k > 0:
             suffix = self.candidates["suffix"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.engine.sampling import SamplingParams
-from specchat.engine.target import TargetState
+from specchat.engine.target import Target
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Drafter:
     # another mode's rounds feeds every position it missed, a switching cost that auto does not count as its rate
     catches_up: bool = False
 
-    def propose(self, state: TargetState, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
+    def propose(self, state: Target, k: int, params: SamplingParams, generator: torch.Generator | None) -> Proposal:
         raise NotImplementedError
 
     def draft_len(self, k: int) -> int:
@@ -47,14 +47,15 @@ class Drafter:
         drafts and whose drafts cost nothing (suffix: as many as its match supports)."""
         return k
 
-    def for_round(self, state: TargetState, params: SamplingParams) -> "Drafter":
-        """The drafter that runs the next round: itself, except for a mode that chooses among others (auto)."""
+    def for_round(self, state: Target, params: SamplingParams) -> "Drafter":
+        """The drafter that runs the next round: itself, except for a mode that chooses among others (auto) and the
+        chat's in-band baseline around a mode (baseline.py)."""
         return self
 
     def observe(self, record) -> None:
         """Called with every round's RoundRecord once the round is done (auto learns from it)."""
 
-    def verify(self, state: TargetState, draft_ids: list[int]) -> torch.Tensor:
+    def verify(self, state: Target, draft_ids: list[int]) -> torch.Tensor:
         """Target logits [K+1, V] for the pending token and the drafts.
 
         A self-speculative drafter that shares computation with the target (early exit reuses its KV
