@@ -612,7 +612,7 @@ static void quantize_rows(const float *x, long S, long D, signed char *q, float 
     for (long r = 0; r < S * nb; r++) {
         const float *v = x + r * QK;
         float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        for (int j = 0; j < QK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
         float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
         int total = 0;
         for (int j = 0; j < QK; j++) {
@@ -637,6 +637,9 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 static inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 
@@ -709,11 +712,27 @@ static inline __attribute__((always_inline)) void unit_scales_simd(int type, con
         *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8))));
         __m256 mins = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
         *off = _mm256_xor_ps(mins, _mm256_set1_ps(-0.0f)); /* -(dmin * m), as unit_scales */
-    } else {
-        float lh[16], offs[8];
-        unit_scales(type, row, u0, n, lh, offs);
-        *lo = _mm256_loadu_ps(lh), *hi = _mm256_loadu_ps(lh + 8), *off = _mm256_loadu_ps(offs);
+    } else { /* eight blocks' float16 scales (and offsets) gathered, widened at once; none past n */
+        long bytes = block_bytes(type);
+        const unsigned char *b = row + u0 * bytes;
+        __m128i d16 = _mm_setzero_si128(), m16 = _mm_setzero_si128();
+        unsigned short h;
+#define GATHER(j) if (j < n) { memcpy(&h, b + j * bytes, 2); d16 = _mm_insert_epi16(d16, h, j); \
+                               if (unsigned_weights(type)) { memcpy(&h, b + j * bytes + 2, 2); m16 = _mm_insert_epi16(m16, h, j); } }
+        GATHER(0) GATHER(1) GATHER(2) GATHER(3) GATHER(4) GATHER(5) GATHER(6) GATHER(7)
+#undef GATHER
+        __m256 d = _mm256_cvtph_ps(d16);
+        *lo = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+        *hi = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+        *off = _mm256_cvtph_ps(m16);
     }
+}
+
+/* sum8's tree in registers: (l0+l4, l1+l5, l2+l6, l3+l7), then (h0+h2) + (h1+h3) */
+static inline float sum8_simd(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 pairs = _mm_add_ps(h, _mm_movehl_ps(h, h)); /* h0+h2, h1+h3 */
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
 }
 
 /* block j of a unit: its 8 lanes' weight scales (lanes 0-3 cover weights 0-15, lanes 4-7 weights 16-31) */
@@ -735,6 +754,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_
         for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
+            const char *ahead = (const char *)block_at(type, row, u0) + PREFETCH;
+            _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0), _mm_prefetch(ahead + 128, _MM_HINT_T0);
             __m256 lo, hi, off;
             unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
             if (offsets)
@@ -752,12 +773,7 @@ static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_
                 }
             }
         }
-        for (long s = 0; s < S; s++) {
-            float lanes[8], offs[8];
-            _mm256_storeu_ps(lanes, acc[s]);
-            _mm256_storeu_ps(offs, offset[s]);
-            y[s * ldy + n] = sum_lanes(lanes) + sum8(offs);
-        }
+        for (long s = 0; s < S; s++) y[s * ldy + n] = sum8_simd(acc[s]) + sum8_simd(offset[s]);
     }
 }
 #endif
@@ -791,6 +807,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
+            const char *ahead = (const char *)block_at(type, row, u0) + PREFETCH;
+            _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0), _mm_prefetch(ahead + 128, _MM_HINT_T0);
             __m256 lo, hi, off;
             unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
             if (offsets)
@@ -825,10 +843,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
             }
         }
         for (long s = 0; s < S; s++) {
-            float lanes[16], offs[8];
-            _mm512_storeu_ps(lanes, acc[s]);
-            _mm256_storeu_ps(offs, offset[s]);
-            y[s * ldy + n] = sum_lanes(lanes) + sum8(offs);
+            __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(acc[s]), _mm512_extractf32x8_ps(acc[s], 1)); /* l + l+8 */
+            y[s * ldy + n] = sum8_simd(folded) + sum8_simd(offset[s]);
         }
     }
 }
@@ -866,23 +882,37 @@ static void gguf_rows_plain(const float *x_d, const float *x_sums, const signed 
 static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums, const signed char *xq,
                       const unsigned char *xu, const unsigned char *w, int type, float *y, long ldy, long S, long D,
                       long n0, long n1, int reference) {
+    long nb = D / QK, nbp = (nb + 7) / 8 * 8;
+    /* positions a weight block is decoded for at once: as many accumulators as the registers hold (more spill, and a
+       spill costs more than decoding the block again); a position's arithmetic is the same in any chunk */
+#if GGUF_LANES == 16
+    const long chunk = 8;
+#else
+    const long chunk = 4;
+#endif
+    (void)chunk, (void)nbp;
 #if GGUF_LANES == 16
     if (!reference) {
-#define GCASE(k) case k: gguf_rows_simd512(x_dexp, x_sums, xq, xu, w, type, y, ldy, k, D, n0, n1); return;
-        switch (S) {
-            GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
-            GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
-        }
+        for (long s0 = 0; s0 < S; s0 += chunk) {
+#define GCASE(k) case k: gguf_rows_simd512(x_dexp + s0 * nb * 8, x_sums + s0 * nbp, xq + s0 * D, xu + s0 * D, w, type, \
+                                           y + s0 * ldy, ldy, k, D, n0, n1); break;
+            switch (S - s0 < chunk ? S - s0 : chunk) {
+                GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
+            }
 #undef GCASE
+        }
+        return;
     }
 #elif defined(__AVX2__)
     if (!reference) {
-#define GCASE(k) case k: gguf_rows_simd(x_d, x_sums, xq, w, type, y, ldy, k, D, n0, n1); return;
-        switch (S) {
-            GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
-            GCASE(9) GCASE(10) GCASE(11) GCASE(12) GCASE(13) GCASE(14) GCASE(15) GCASE(16)
-        }
+        for (long s0 = 0; s0 < S; s0 += chunk) {
+#define GCASE(k) case k: gguf_rows_simd(x_d + s0 * nb, x_sums + s0 * nbp, xq + s0 * D, w, type, y + s0 * ldy, ldy, k, D, n0, n1); break;
+            switch (S - s0 < chunk ? S - s0 : chunk) {
+                GCASE(1) GCASE(2) GCASE(3) GCASE(4)
+            }
 #undef GCASE
+        }
+        return;
     }
 #endif
     gguf_rows_plain(x_d, x_sums, xq, w, type, y, ldy, S, D, n0, n1);
