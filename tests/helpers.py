@@ -551,11 +551,12 @@ def _hf_rope_to_gguf(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, *, eos_id: int | None = None, readable: bool = False) -> Path:
+def write_gguf(model, path: Path, *, eos_id: int | None = None, readable: bool = False, matrices: str = "F32") -> Path:
     """Write a transformers Llama (tiny_llama) as a float32 GGUF file llama.cpp loads, with a vocabulary of one
     placeholder string per id (the tests feed ids, never text). llama.cpp's logits for it match the torch model's.
     `readable`: a vocabulary transformers' GGUF reader also takes (letters and one merge of two of them), so the
-    file converts for torch (models.convert_gguf) in a fraction of a second."""
+    file converts for torch (models.convert_gguf) in a fraction of a second. `matrices`: the layers' matrices and
+    the LM head quantised by the gguf package to that type (Q4_0, Q5_0, Q8_0...; rows of whole blocks)."""
     import gguf
 
     c = model.config
@@ -580,6 +581,13 @@ def write_gguf(model, path: Path, *, eos_id: int | None = None, readable: bool =
     if eos_id is not None:
         writer.add_eos_token_id(eos_id)
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+
+    def add_matrix(name: str, w) -> None:
+        if matrices == "F32" or w.ndim != 2:
+            return writer.add_tensor(name, w)
+        kind = gguf.GGMLQuantizationType[matrices]
+        writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         q = _hf_rope_to_gguf(torch.from_numpy(sd[p + "self_attn.q_proj.weight"]), c.num_attention_heads).numpy()
@@ -588,9 +596,9 @@ def write_gguf(model, path: Path, *, eos_id: int | None = None, readable: bool =
                         ("attn_v", sd[p + "self_attn.v_proj.weight"]), ("attn_output", sd[p + "self_attn.o_proj.weight"]),
                         ("ffn_norm", sd[p + "post_attention_layernorm.weight"]), ("ffn_gate", sd[p + "mlp.gate_proj.weight"]),
                         ("ffn_up", sd[p + "mlp.up_proj.weight"]), ("ffn_down", sd[p + "mlp.down_proj.weight"])):
-            writer.add_tensor(f"blk.{i}.{name}.weight", w)
+            add_matrix(f"blk.{i}.{name}.weight", w)
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    add_matrix("output.weight", sd["lm_head.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

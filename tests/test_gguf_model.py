@@ -145,3 +145,62 @@ def test_a_file_the_runner_does_not_read_is_refused_in_one_line(tmp_path):
     (tmp_path / "q3.gguf").write_bytes(bytes(data))
     with pytest.raises(Unreadable, match="ffn_up.weight is Q3_K; the lean runner reads"):
         load_runner(tmp_path / "q3.gguf")
+
+
+# ---------------------------------------------------------------- exactness on a runner read in place
+
+
+def test_greedy_drafting_on_a_k_quant_file_gives_plain_greedy_decoding_s_tokens(tmp_path):
+    """The target with no HF model behind it (TargetState.on_runner): suffix drafts of a repeated sequence, verified
+    in batches of up to 5 positions, give the tokens of plain greedy decoding, one position at a time."""
+    from helpers import run
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=False)
+    runner = load_runner(tmp_path / "k.gguf")
+    prompt = [5, 9, 14, 3, 27, 5, 9, 14, 3, 27, 5, 9, 14]
+    replies = {}
+    for mode in ("off", "suffix"):
+        state = TargetState.on_runner(runner, context_len=512)
+        assert state.runner == "lean" and state.kernel == "blocks"
+        replies[mode], records = run(None, build_drafter(mode, None), prompt, k=4, params=SamplingParams(0.0),
+                                     max_new_tokens=40, state=state)
+        if mode == "suffix":
+            assert sum(r.drafted for r in records) > 0
+    assert replies["suffix"] == replies["off"]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+def test_sampled_output_on_a_file_read_in_place_follows_its_own_distribution(tmp_path, broken):
+    """A tiny Llama written with Q5_0 matrices and read in place, drafted by a bigram table with a q of its own (K=3,
+    draws of K+1 tokens), position by position against the file's runner's exact conditionals: the exact rule
+    passes; a q reported at the wrong temperature from draft position 3 fails there."""
+    from helpers import ALPHA, PROMPT, ReportsWrongQ, assert_drafted_up_to, bigram_draft, tiny_llama, write_gguf
+    from specchat.engine.drafters.model import ModelDrafter
+    from specchat.engine.loop import Controls
+    from specchat.engine.metrics import Stats
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+    from specchat.verify import conditional_tests, sample_continuations
+    from test_gguf_kernel import BlocksConditionals
+
+    model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
+    runner = load_runner(write_gguf(model, tmp_path / "q5.gguf", matrices="Q5_0"))
+    assert isinstance(runner.blocks[0].qkv_w, GGUFStack) and runner.head_w.type == "Q5_0"
+    state = TargetState.on_runner(runner, context_len=model.config.max_position_embeddings)
+    params = SamplingParams(1.0)
+    drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
+    if broken:
+        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
+    stats = Stats()
+    counts = sample_continuations(state, PROMPT, Controls(drafter, k=3, sampling=params), draws=5000, length=4, eos_ids=set(),
+                                  generator=torch.Generator().manual_seed(0), stats=stats)
+    positions, _, _ = conditional_tests(counts, BlocksConditionals(runner, PROMPT, params), 4)
+    p_value = min(1.0, 4 * min(p["combined_p"] for p in positions))
+    assert_drafted_up_to(stats, 3)
+    if broken:
+        assert p_value < 1e-6 and min(positions, key=lambda p: p["combined_p"])["position"] == 3, positions
+    else:
+        assert p_value >= ALPHA, positions

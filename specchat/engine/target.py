@@ -149,19 +149,32 @@ class TargetState(CachedTarget):
         vocab_size = model.get_output_embeddings().weight.shape[0]
         # the device is read once: HF's `model.device` walks the modules (~40 us), and a round asks it about ten times
         super().__init__(vocab_size, getattr(model.config, "max_position_embeddings", None), model.device)
-        self.model = model
-        self.lean: Runner | None = lean_runner(model) if runner != "hf" else None
-        if runner == "lean" and self.lean is None:
+        lean = lean_runner(model) if runner != "hf" else None
+        if runner == "lean" and lean is None:
             raise ValueError(f"the lean runner does not support {type(model).__name__}")
-        self.runner = "lean" if self.lean is not None else "hf"
-        self.cache = self.lean.new_cache() if self.lean is not None else new_cache(model)
+        self._run_on(model, lean)
+
+    @classmethod
+    def on_runner(cls, lean: Runner, context_len: int | None) -> "TargetState":
+        """The lean path with no HF model behind it: a runner on a GGUF file's own blocks (engine/gguf_model.py)."""
+        state = cls.__new__(cls)
+        CachedTarget.__init__(state, lean.vocab_size, context_len, lean.device)
+        state._run_on(None, lean)
+        return state
+
+    def _run_on(self, model, lean: Runner | None) -> None:
+        self.model, self.lean = model, lean
+        self.runner = "lean" if lean is not None else "hf"
+        self.cache = lean.new_cache() if lean is not None else new_cache(model)
         self.features: torch.Tensor | None = None  # [capacity, D], grown CHUNK rows at a time (lean path only)
         self.known = 0  # features[:known] are the target's for tokens[:known]
 
     @property
     def kernel(self) -> str:
         """What the target's forwards multiply with: "fused" (engine/smallbatch.py: the lean runner in float32 on
-        a CPU, up to 16 positions at a time) or "torch"."""
+        a CPU, up to 16 positions at a time), "blocks" (a GGUF file's own, smallbatch.gguf_linear) or "torch"."""
+        if self.lean is not None and self.model is None:
+            return "blocks"
         if self.lean is None or self.device.type != "cpu" or self.lean.dtype != torch.float32:
             return "torch"
         return smallbatch.kernel_name()
