@@ -884,11 +884,12 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
                       long n0, long n1, int reference) {
     long nb = D / QK, nbp = (nb + 7) / 8 * 8;
     /* positions a weight block is decoded for at once: as many accumulators as the registers hold (more spill, and a
-       spill costs more than decoding the block again); a position's arithmetic is the same in any chunk */
+       spill costs more than decoding the block again), in chunks of even size; a position's arithmetic is the same in
+       any chunk */
 #if GGUF_LANES == 16
-    const long chunk = 8;
+    const long chunk = S <= 10 ? S : (S + 1) / 2;
 #else
-    const long chunk = 4;
+    const long chunk = S <= 4 ? S : (S + (S + 3) / 4 - 1) / ((S + 3) / 4);
 #endif
     (void)chunk, (void)nbp;
 #if GGUF_LANES == 16
@@ -897,7 +898,7 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 #define GCASE(k) case k: gguf_rows_simd512(x_dexp + s0 * nb * 8, x_sums + s0 * nbp, xq + s0 * D, xu + s0 * D, w, type, \
                                            y + s0 * ldy, ldy, k, D, n0, n1); break;
             switch (S - s0 < chunk ? S - s0 : chunk) {
-                GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8)
+                GCASE(1) GCASE(2) GCASE(3) GCASE(4) GCASE(5) GCASE(6) GCASE(7) GCASE(8) GCASE(9) GCASE(10)
             }
 #undef GCASE
         }
