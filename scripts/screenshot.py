@@ -20,14 +20,13 @@ PROMPTS = ["Write a haiku about the sea.", "Repeat your haiku exactly, then add 
 async def shoot(out: Path, size: tuple[int, int], mode: str) -> None:
     from textual.widgets import Input
 
-    from specchat.cli.main import CHAT_SAMPLING
-    from specchat.cli.options import load_session
+    from specchat.cli.options import Options, load_session
     from specchat.tui.app import SpecChatApp
 
     from specchat.cli.main import main as cli
 
-    opts = {**cli.make_context("specchat", ["--mode", mode, "--seed", "0"]).params, **CHAT_SAMPLING}  # the chat's defaults
-    session = load_session(opts, quiet=True)
+    options = Options.from_click("chat", cli.make_context("specchat", ["--mode", mode, "--seed", "0"]))  # the chat's defaults
+    session = load_session(options, quiet=True)
     app = SpecChatApp(session, theme="dark")
     async with app.run_test(size=size) as pilot:
         prompt = app.query_one("#prompt", Input)

@@ -343,8 +343,8 @@ def test_builtin_prompts_cover_the_workload():
 
 def test_mode_options_are_json(tmp_path):
     """`bench --head FILE` wrote its options into results.json: a Path there made the report crash after the runs."""
-    from specchat.cli.options import mode_settings
+    from specchat.cli.options import ModeSettings
 
     (tmp_path / "h.safetensors").write_bytes(b"")
-    settings = mode_settings({"head_file": str(tmp_path / "h.safetensors"), "skip_layers": "3,4", "exit_layer": 2})
+    settings = ModeSettings.parse({"head_file": str(tmp_path / "h.safetensors"), "skip_layers": "3,4", "exit_layer": 2}).drafter_options()
     assert json.loads(json.dumps(settings))["head_file"] == str(tmp_path / "h.safetensors")

@@ -491,15 +491,21 @@ def test_the_plot_hint_matches_the_docs():
 
 
 def test_the_docs_state_the_sampling_defaults_each_command_uses():
-    from specchat.cli.main import CHAT_SAMPLING
+    """docs/commands.md against the one table of defaults (options.DEFAULTS), which the commands' options read."""
+    from specchat.cli.generate import generate
+    from specchat.cli.main import main
+    from specchat.cli.options import DEFAULTS
 
     readme = " ".join((ROOT / "docs" / "commands.md").read_text().split())
-    chat = f"the chat samples at temperature {CHAT_SAMPLING['temperature']:g}, top-p {CHAT_SAMPLING['top_p']:g}"
-    from specchat.cli.generate import generate
-
-    defaults = {p.name: p.default for p in generate.params}
-    assert chat in readme
-    assert (defaults["temperature"], defaults["top_p"], defaults["top_k"]) == (0, 1, 0)
+    chat = f"the chat samples at temperature {DEFAULTS['chat'].temperature:g}, top-p {DEFAULTS['chat'].top_p:g}"
+    verify = f"`verify` samples at temperature {DEFAULTS['verify'].temperature:g}"
+    assert chat in readme and verify in readme
+    for command, params in (("chat", main.params), ("generate", generate.params)):
+        defaults = {p.name: p.default for p in params}
+        assert (defaults["temperature"], defaults["top_p"], defaults["top_k"]) == (DEFAULTS[command].temperature, DEFAULTS[command].top_p, 0)
+    for command in ("generate", "bench"):
+        assert (DEFAULTS[command].temperature, DEFAULTS[command].top_p, DEFAULTS[command].top_k) == (0, 1, 0)
+    assert all(d.top_k == 0 for d in DEFAULTS.values())
     assert "decode greedily (temperature 0, top-p 1); top-k is off everywhere" in readme
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from specchat import models
-from specchat.cli.options import load_models
+from specchat.cli.options import ModelOptions, load_models
 from specchat.engine import smallbatch
 
 pytestmark = pytest.mark.slow
@@ -100,9 +100,7 @@ def test_the_first_load_on_torch_says_what_it_converts_before_converting(tmp_pat
     built = []
     monkeypatch.setattr(smallbatch, "needs_build", lambda folder: not built)  # as on a first start
     monkeypatch.setattr(smallbatch, "load", lambda folder: built.append(list(stages)) or True)
-    opts = dict(target=str(copy), draft=None, download=False, device="cpu", dtype="auto", device_map=None,
-                trust_remote_code=False, threads=None, engine="torch")
-    load_models(opts, Progress())
+    load_models(ModelOptions(target=str(copy), device="cpu", engine="torch"), Progress())
     assert stages[0].startswith("Compiling specchat's small-batch kernel once") and built[0] == stages[:1]
     assert stages[1] == plan and converted[0] == (copy, stages[:2])  # announced, then done
     assert stages[2].startswith("Loading target") and "converting the GGUF tokenizers" not in stages[2]

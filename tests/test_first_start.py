@@ -19,7 +19,7 @@ from helpers import FakeSession, run_env, tiny_llama, write_gguf
 from specchat import models, usercache
 from specchat.cli import options
 from specchat.cli.main import main
-from specchat.cli.options import Declined, load_models
+from specchat.cli.options import Declined, ModelOptions, load_models
 from specchat.tui.app import SpecChatApp
 from specchat.tui.consent import ConsentScreen
 from test_tui import wait_for
@@ -120,20 +120,19 @@ def test_the_estimate_adds_target_and_draft_and_counts_one_content_once(cache, g
     (tmp_path / "elsewhere").mkdir()
     copy = tmp_path / "elsewhere" / gguf.name  # another path, the same name and bytes: the same conversion
     copy.write_bytes(gguf.read_bytes())
-    options.ask_before_writing({}, None, [gguf, copy])  # one conversion, under the threshold: no question
+    options.ask_before_writing(False, None, [gguf, copy])  # one conversion, under the threshold: no question
     with pytest.raises(options.BadOption, match="converts tiny.gguf and other.gguf once.*--yes"):
-        options.ask_before_writing({}, None, [gguf, other])
+        options.ask_before_writing(False, None, [gguf, other])
 
 
 # ---------------------------------------------------------------- the chat
 
 
 def chat_load(gguf, **extra):
-    opts = dict(target=str(gguf), draft=None, download=False, device="cpu", dtype="auto", device_map=None,
-                trust_remote_code=False, threads=None, engine="torch", **extra)
+    models = ModelOptions(target=str(gguf), device="cpu", engine="torch", **extra)
 
     def load(progress):
-        load_models(opts, progress)
+        load_models(models, progress)
         return FakeSession()
 
     return load

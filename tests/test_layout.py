@@ -109,6 +109,14 @@ def test_commands_import_options_never_the_reverse():
     assert not {m for m in edges["specchat.cli.options"] if m.startswith("specchat.cli.")}
 
 
+def test_nothing_below_the_command_line_imports_it():
+    """The commands hand down values (cli/options.Options stays in the CLI); only `python -m specchat` starts it."""
+    for name, targets in graph().items():
+        if name.startswith("specchat.cli") or name == "specchat.__main__":
+            continue
+        assert not {m for m in targets if m.startswith("specchat.cli")}, name
+
+
 # a path in the repository, or a document named in capitals (README.md); lower-case names are outputs (report.md)
 PATH = re.compile(r"(?<![\w/.-])((?:specchat|tests|benchmarks|docs)/[\w./*-]*\w|[A-Z][A-Z_-]*\.md)\b")
 

@@ -20,8 +20,8 @@ def captured(monkeypatch):
     """The chat's options as load_session receives them, without loading a model or starting the app."""
     seen = {}
 
-    def fake_load(opts, **kw):
-        seen.update(opts)
+    def fake_load(options, **kw):
+        seen.update(temperature=options.sampling.temperature, top_p=options.sampling.top_p, mode=options.mode)
         raise SystemExit(0)
 
     monkeypatch.setattr(cli_main, "load_session", fake_load)
@@ -37,8 +37,11 @@ def test_the_chat_samples_by_default_and_generate_stays_greedy(captured):
     assert (captured["temperature"], captured["top_p"]) == (0.0, 0.9)  # what the user says wins
     from specchat.cli.options import generation_options
 
-    defaults = {p.name: p.default for p in generation_options(lambda **kw: None).__click_params__}
-    assert (defaults["temperature"], defaults["top_p"]) == (0.0, 1.0)  # generate, verify, bench: greedy
+    defaults = {p.name: p.default for p in generation_options("generate")(lambda **kw: None).__click_params__}
+    assert (defaults["temperature"], defaults["top_p"]) == (0.0, 1.0)  # generate and bench: greedy
+    from specchat.cli.bench import bench
+
+    assert {p.name: p.default for p in bench.params}["temperatures"] == "0"
 
 
 def test_auto_is_described_with_every_candidate():

@@ -120,8 +120,8 @@ def test_the_users_wait_policy_and_thread_count_are_kept():
 
 
 LLAMA_PROBE = ("import os; from specchat.cli import options; from specchat import threads; options.prepare_process(); "
-               "opts = dict(engine='{engine}', target=None, draft=None, device='auto'); "
-               "threads.prepare_for_llama_cpp() if options.likely_llama_cpp(opts) else None; "
+               "models = options.ModelOptions(engine='{engine}', target=None, draft=None, device='auto'); "
+               "threads.prepare_for_llama_cpp() if options.likely_llama_cpp(models) else None; "
                "import torch; print(os.environ.get('GOMP_SPINCOUNT'))")
 
 

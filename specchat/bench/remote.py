@@ -108,12 +108,13 @@ def write(out_dir: Path, summary: dict, meta: dict, runs: list[dict]) -> str:
     return text
 
 
-def meta_for(opts: dict, prompts: list[dict], sampling: str) -> dict:
+def meta_for(prompts: list[dict], sampling: str, *, repeat: int, max_new_tokens: int, servers: list[str], target: str | None,
+             modes: str | None) -> dict:
     import os
 
     return {
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "prompts": len(prompts), "repeat": opts["repeat"],
-        "max_new_tokens": opts["max_new_tokens"], "sampling": sampling,
-        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "servers": list(opts["servers"]),
-        "target": opts.get("target"), "modes": opts.get("modes"),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "prompts": len(prompts), "repeat": repeat,
+        "max_new_tokens": max_new_tokens, "sampling": sampling,
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "servers": servers,
+        "target": target, "modes": modes,
     }

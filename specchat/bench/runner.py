@@ -410,16 +410,16 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
     return out
 
 
-def results(ctx: Context, plan, opts: dict, configs: list[Config], prompts: list[Prompt], rows, checks, runs, dtype) -> dict:
+def results(ctx: Context, plan, configs: list[Config], prompts: list[Prompt], rows, checks, runs, dtype) -> dict:
     """Everything `results.json` holds: settings, machine, prompts, per-configuration rows, checks, raw runs."""
     return {
         "settings": {
             "target": ctx.target.name, "draft": ctx.draft.name if ctx.draft else None, "modes": list(ctx.drafters),
             "draft_lens": plan.ks, "temperatures": plan.temperatures, "top_k": 0, "top_p": 1.0, "accept": plan.rules,
-            "prompts": opts["prompts_spec"], "max_new_tokens": ctx.max_new_tokens, "repeat": opts["repeat"],
-            "peers": opts["peers"], "seed": ctx.seed, "verify_samples": opts["verify_samples"],
+            "prompts": plan.prompts_spec, "max_new_tokens": ctx.max_new_tokens, "repeat": plan.repeat,
+            "peers": plan.peers, "seed": ctx.seed, "verify_samples": plan.verify_samples,
             "learnt": plan.learnt,
-            "mode_options": plan.settings, "hf_early_exit_layer": early_exit_layer(ctx) if opts["peers"] else None,
+            "mode_options": plan.settings, "hf_early_exit_layer": early_exit_layer(ctx) if plan.peers else None,
         },
         "machine": hardware_info(ctx.device, dtype),
         "prompts": [{"name": p.name, "kind": p.kind, "text": p.text, "prompt_tokens": len(p.ids)} for p in prompts],

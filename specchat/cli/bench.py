@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
 import click
 
-from specchat.cli.options import (BadOption, UserError, load_models, mode_setting_options, mode_settings, model_options, parse_servers,
-                                  preflight, server_options, user_errors)
+from specchat.cli.options import (DEFAULTS, BadOption, Options, UserError, load_models, mode_setting_options, model_options, preflight,
+                                  server_options, user_errors)
 from specchat.modes import MODES
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -85,31 +85,37 @@ class Plan:
     prompts: list[dict]
     settings: dict  # skip_layers / exit_layer / rank
     out_dir: Path
+    prompts_spec: str  # builtin or the file, as given (results.json says which)
+    repeat: int  # passes over the prompts
+    peers: bool  # HF transformers' own implementations too
+    verify_samples: int  # per side of the distribution test (0: none)
     learnt: bool = False  # mode auto starts from (and adds to) the rates earlier sessions on this setup saved
 
 
-def make_plan(opts: dict) -> Plan:
+def make_plan(options: Options, params: dict) -> Plan:
+    """From the shared options and bench's own parameters (its lists of modes, K, temperatures and rules)."""
     from specchat.engine.acceptance import parse_rule
     from specchat.store import bench_dir
 
-    modes, skipped = choose_modes(opts["modes"], bool(opts["draft"]))
-    rules = parse_list(opts["accepts"], str, "--accept")
+    modes, skipped = choose_modes(params["modes"], bool(options.models.draft))
+    rules = parse_list(params["accepts"], str, "--accept")
     for rule in rules:
         try:
             parse_rule(rule)
         except ValueError as e:
             raise BadOption(str(e)) from None
-    if opts["verify_samples"] and opts["verify_samples"] < 20:
+    if params["verify_samples"] and params["verify_samples"] < 20:
         raise BadOption("--verify-samples must be 0 (skip) or at least 20")
-    out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = params["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S")
     if out_dir.exists() and not out_dir.is_dir():
         raise BadOption(f"--out {out_dir} exists and is not a directory")
     return Plan(
-        modes=modes, skipped=skipped, explicit_modes=opts["modes"] is not None,
-        ks=parse_list(opts["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
-        temperatures=parse_list(opts["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)"),
-        rules=rules, prompts=read_prompts(opts["prompts_spec"]), settings=mode_settings(opts), out_dir=out_dir,
-        learnt=opts["learnt"],
+        modes=modes, skipped=skipped, explicit_modes=params["modes"] is not None,
+        ks=parse_list(params["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
+        temperatures=parse_list(params["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)"),
+        rules=rules, prompts=read_prompts(params["prompts_spec"]), settings=options.settings.drafter_options(), out_dir=out_dir,
+        learnt=params["learnt"], prompts_spec=params["prompts_spec"], repeat=params["repeat"], peers=params["peers"],
+        verify_samples=params["verify_samples"],
     )
 
 
@@ -200,25 +206,26 @@ def show_report(text: str) -> None:
 @model_options
 @server_options
 @click.option("--modes", default=None, metavar="LIST", help=f"Comma-separated, from: {', '.join(MODES)}. Default: every mode that can run (draft with --draft). off always runs.")
-@click.option("--draft-len", "draft_lens", default="2,4,8", show_default=True, metavar="LIST", help="Draft lengths K to measure.")
-@click.option("--temperature", "temperatures", default="0", show_default=True, metavar="LIST", help="Temperatures, e.g. 0,0.7 (0 is greedy).")
+@click.option("--draft-len", "draft_lens", default=",".join(map(str, DEFAULTS["bench"].draft_lens)), show_default=True, metavar="LIST", help="Draft lengths K to measure.")
+@click.option("--temperature", "temperatures", default=f"{DEFAULTS['bench'].temperature:g}", show_default=True, metavar="LIST", help="Temperatures, e.g. 0,0.7 (0 is greedy).")
 @click.option("--accept", "accepts", default="exact", show_default=True, metavar="LIST", help="Acceptance rules (exact, or approx:<param>).")
 @click.option("--prompts", "prompts_spec", default="builtin", show_default=True, metavar="builtin|FILE.jsonl")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULTS["bench"].max_new_tokens, show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Passes over the prompts.")
 @click.option("--peers", is_flag=True, help="Also run HF transformers' own implementation of each requested mode: generate() for off, assistant_model for draft, prompt_lookup_num_tokens for lookup, assistant_early_exit for earlyexit.")
 @click.option("--verify-samples", type=int, default=100, show_default=True, help="Samples per side of the distribution test for sampled exact modes (0 skips; else >= 20).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=DEFAULTS["bench"].seed, show_default=True)
 @click.option("--learnt", is_flag=True, help="Mode auto starts from the rates earlier sessions on this setup learnt, as the chat's does, and saves what it measures after every reply (the state folder; $SPECCHAT_STATE_DIR for a copy). Default: a first session, nothing learnt or saved.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Report folder (default: a new timestamped folder under the user data folder's bench/).")
 @mode_setting_options
-def bench(**opts):
+def bench(**params):
     """Measure every mode against plain decoding on the same prompts, with quality checks. With --server: each
     serving configuration (and, with --target, the local modes of --modes on the same model), side by side."""
-    if opts["servers"]:
-        bench_servers(opts)
+    options = Options.from_click("bench")
+    if options.servers:
+        bench_servers(options, params)
         return
-    plan = make_plan(opts)
+    plan = make_plan(options, params)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -226,25 +233,25 @@ def bench(**opts):
     from specchat.bench import report, runner
 
     console = Console(stderr=True)
-    if opts.get("engine") == "llama.cpp":  # its quality checks score the target's outputs with torch
+    if options.models.engine == "llama.cpp":  # its quality checks score the target's outputs with torch
         raise BadOption("bench runs on the torch engine; benchmarks/engines.py measures the llama.cpp engine's modes")
-    opts["engine"] = "torch"
-    preflight(opts)
+    options = replace(options, models=replace(options.models, engine="torch"))
+    preflight(options)
     with user_errors():
-        target, draft, device, dtype = load_models(opts, console)
+        target, draft, device, dtype = load_models(options.models, console)
         drafters, drafter_mb = build_drafters(plan, target, draft, device)
         prompts = tokenise_prompts(plan, target)
 
-    ctx = runner.Context(target, draft, device, drafters, target.eos_ids, opts["max_new_tokens"], opts["seed"], opts["exit_layer"])
-    configs = runner.build_configs([m for m in plan.modes if m in drafters], plan.ks, plan.temperatures, plan.rules, peers=opts["peers"])
-    verify_samples = opts["verify_samples"]
+    ctx = runner.Context(target, draft, device, drafters, target.eos_ids, options.max_new_tokens, options.seed, options.settings.exit_layer)
+    configs = runner.build_configs([m for m in plan.modes if m in drafters], plan.ks, plan.temperatures, plan.rules, peers=plan.peers)
+    verify_samples = plan.verify_samples
     n_verify = len({(c.mode, c.temperature) for c in configs if not c.is_peer and c.mode != "off" and c.temperature > 0 and c.exact})
-    total = len(configs) * (1 + len(prompts) * opts["repeat"]) + (n_verify if verify_samples else 0)
+    total = len(configs) * (1 + len(prompts) * plan.repeat) + (n_verify if verify_samples else 0)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as progress:
         steps = Steps(progress, total)
-        runs = runner.run_all(ctx, configs, prompts, opts["repeat"], steps)
+        runs = runner.run_all(ctx, configs, prompts, plan.repeat, steps)
         rows = runner.summarise(ctx, configs, runs)
         checks = {
             "greedy_identity": runner.greedy_identity(configs, runs),
@@ -257,7 +264,7 @@ def bench(**opts):
         r["drafter_memory_mb"] = drafter_mb.get(r["mode"])
     for run in runs:
         run["text"] = target.tokenizer.decode(run["tokens"], skip_special_tokens=True)
-    results = runner.results(ctx, plan, opts, configs, prompts, rows, checks, runs, dtype)
+    results = runner.results(ctx, plan, configs, prompts, rows, checks, runs, dtype)
     text, note = report.write(results, plan.out_dir)
     show_report(text)
     click.echo(f"wrote {plan.out_dir / 'report.md'}, {plan.out_dir / 'results.json'}"
@@ -269,7 +276,7 @@ def bench(**opts):
         sys.exit(1)
 
 
-def bench_servers(opts: dict) -> None:
+def bench_servers(options: Options, params: dict) -> None:
     """bench --server: specchat/bench/remote.py. Local modes run on the --target (a GGUF: on llama.cpp, as the
     server runs it), each in a session of its own, between the servers' runs."""
     from rich.console import Console
@@ -281,43 +288,45 @@ def bench_servers(opts: dict) -> None:
     from specchat.remote_session import RemoteSession
     from specchat.store import bench_dir
 
-    temperatures = parse_list(opts["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)")
+    temperatures = parse_list(params["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)")
     if len(temperatures) > 1:
         raise BadOption("--server: one --temperature per run")
     sampling = SamplingParams(temperatures[0], 0, 1.0)
-    if opts["modes"] and not opts["target"]:
+    if params["modes"] and not options.models.target:
         raise BadOption("--server with --modes: the local modes need --target (the server's model file)")
-    modes = parse_list(opts["modes"] or "off", str, "--modes")
+    modes = parse_list(params["modes"] or "off", str, "--modes")
     if unknown := [m for m in modes if m not in MODES]:  # before a server is asked or the target loads
         raise BadOption(f"unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}")
-    prompts = read_prompts(opts["prompts_spec"])
-    out_dir = opts["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S-servers")
+    prompts = read_prompts(params["prompts_spec"])
+    out_dir = params["out_dir"] or bench_dir() / datetime.now().strftime("%Y%m%d-%H%M%S-servers")
     console = Console(stderr=True)
     configs = {}
     try:
-        for name, url in parse_servers(opts["servers"]):
-            server = connect(url, name, timeout=min(opts["timeout"], 10.0))
-            configs[server.name] = RemoteSession([server], sampling=sampling, seed=opts["seed"],
-                                                 max_new_tokens=opts["max_new_tokens"], timeout=opts["timeout"])
+        for name, url in options.servers:
+            server = connect(url, name, timeout=min(options.timeout, 10.0))
+            configs[server.name] = RemoteSession([server], sampling=sampling, seed=options.seed,
+                                                 max_new_tokens=options.max_new_tokens, timeout=options.timeout)
     except RemoteError as e:
         raise UserError(str(e)) from None
-    if opts["target"]:
+    if options.models.target:
         from specchat.session import Session
 
         with user_errors():
-            target, draft, _, _ = load_models(opts, console)
+            target, draft, _, _ = load_models(options.models, console)
             for mode in modes:
-                session = Session(target, draft, mode=mode, k=int(opts["draft_lens"].split(",")[0]), sampling=sampling,
-                                  seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], mode_options=mode_settings(opts),
+                session = Session(target, draft, mode=mode, k=int(params["draft_lens"].split(",")[0]), sampling=sampling,
+                                  seed=options.seed, max_new_tokens=options.max_new_tokens, mode_options=options.settings.drafter_options(),
                                   earlier_sessions=False)  # as the local bench: nothing learnt or saved before counts
                 configs[f"local-{mode}"] = session
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as progress:
-        steps = Steps(progress, len(configs) * len(prompts) * opts["repeat"])
-        runs = bench_remote.run_all(configs, prompts, opts["repeat"], steps)
+        steps = Steps(progress, len(configs) * len(prompts) * params["repeat"])
+        runs = bench_remote.run_all(configs, prompts, params["repeat"], steps)
     summary = bench_remote.summarise(configs, runs)
     how = "greedy" if sampling.greedy else f"T={sampling.temperature:g}"
-    text = bench_remote.write(out_dir, summary, bench_remote.meta_for(opts, prompts, how), runs)
+    meta = bench_remote.meta_for(prompts, how, repeat=params["repeat"], max_new_tokens=options.max_new_tokens,
+                                 servers=list(params["servers"]), target=options.models.target, modes=params["modes"])
+    text = bench_remote.write(out_dir, summary, meta, runs)
     show_report(text)
     click.echo(f"wrote {out_dir / 'report.md'}, {out_dir / 'results.json'}", err=True)
     if any(r["runs_reconciled"] < r["runs"] for r in summary["rows"]):

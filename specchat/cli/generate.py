@@ -8,8 +8,8 @@ from collections import Counter
 
 import click
 
-from specchat.cli.options import (INTERRUPTED, BadOption, UserError, config_summary, generation_options, load_session,
-                                  model_options, server_options, system_option, user_errors)
+from specchat.cli.options import (INTERRUPTED, BadOption, Options, UserError, config_summary, generation_options,
+                                  load_session, model_options, server_options, system_option, user_errors)
 from specchat.fmt import num
 
 KIND_LEGEND = {
@@ -26,15 +26,16 @@ KIND_LEGEND = {
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @model_options
 @server_options
-@generation_options
+@generation_options("generate")
 @system_option
-def generate(prompt, raw, fmt, **opts):
+def generate(prompt, raw, fmt, **shared):
     """Generate one reply headlessly, colour-coded by how each token was produced."""
     if not prompt.strip():
         raise UserError("the prompt is empty")
-    if raw and opts.get("system"):
+    options = Options.from_click("generate")
+    if raw and options.system:
         raise BadOption("--system needs the chat template: leave out --raw")
-    session = load_session(opts, quiet=fmt == "json")
+    session = load_session(options, quiet=fmt == "json")
     session.controls.on_prefill = print_prefill_json if fmt == "json" else print_prefill
     interrupted, broken = False, None
     with user_errors():

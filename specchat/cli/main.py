@@ -17,16 +17,11 @@ from specchat.cli.bench import bench
 from specchat.cli.cache import cache
 from specchat.cli.generate import generate
 from specchat.cli.history import history
-from specchat.cli.options import (INTERRUPTED, BadOption, UserError, generation_options, load_session, model_options,
+from specchat.cli.options import (INTERRUPTED, BadOption, Options, UserError, generation_options, load_session, model_options,
                                   preflight, prepare_process, server_options, system_option)
 from specchat.cli.train_head import train_head
 from specchat.cli.tune import tune
 from specchat.cli.verify import verify
-
-
-# The chat's sampling when no option says otherwise, as chat apps do (Ollama, LM Studio): greedy decoding makes a
-# small model loop ("a mystic realm," fifteen times on the default model). generate, verify and bench stay greedy.
-CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 
 class SpecchatGroup(click.Group):
@@ -73,13 +68,13 @@ def check_export_path(path: Path) -> None:
 @click.version_option(__version__, prog_name="specchat")
 @model_options
 @server_options
-@generation_options
+@generation_options("chat")
 @system_option
 @click.option("--continue", "resume", is_flag=True, help="Resume the latest saved conversation (see `specchat history`).")
 @click.option("--theme", default=None, help="Theme name (dark, light, colorblind, or a file in the user theme folder).")
 @click.option("--export", "export_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the session statistics here on exit (.json; a .csv of rounds and a .md of the conversation beside it).")
 @click.pass_context
-def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
+def main(ctx: click.Context, theme, export_path, resume, **shared) -> None:
     """Chat with a local model and watch speculative decoding work, token by token.
 
     Every finished turn is saved in the user data folder (`specchat history` lists them)."""
@@ -91,29 +86,26 @@ def main(ctx: click.Context, theme, export_path, resume, **opts) -> None:
     if theme is not None:
         check_theme(theme)
     conversation = resume_latest() if resume else None  # before the models load: a missing one fails fast
-    opts["mode"] = opts["mode"] or "auto"  # the chat's default: each round the mode measured fastest
-    for name, value in CHAT_SAMPLING.items():  # the chat samples unless told otherwise; exact either way
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.DEFAULT:
-            opts[name] = value
-    if not opts.get("servers"):
-        preflight(opts)  # what is wrong with the options is one line before the app shows
+    options = Options.from_click("chat", ctx)  # the chat's defaults: mode auto, sampling (options.DEFAULTS)
+    if not options.servers:
+        preflight(options)  # what is wrong with the options is one line before the app shows
     if crash_guard.supervised():  # on a terminal: the app runs in a child, and a native crash cannot break the terminal
         raise SystemExit(crash_guard.run_supervised([sys.executable, "-m", "specchat", *sys.argv[1:]]))
     crash_guard.in_child()
 
     def load(progress=None):
-        session = load_session(opts, progress=progress)
+        session = load_session(options, progress=progress)
         if conversation is not None:  # --system replaces the saved system message
             session.restore(conversation.messages)
-            if opts.get("system"):
-                session.set_system(opts["system"])
+            if options.system:
+                session.set_system(options.system)
         return session
 
     from specchat.history import ConversationLog
     from specchat.tui.app import run_chat
 
     log = conversation or ConversationLog()
-    if opts.get("servers"):  # a server answers in a second, and names the modes (its configurations) the app shows
+    if options.servers:  # a server answers in a second, and names the modes (its configurations) the app shows
         run_chat(load(), theme=theme, export_path=export_path, conversation=log)
     else:  # the app shows at once and loads the models in the background, with a line per stage
         run_chat(load=load, theme=theme, export_path=export_path, conversation=log)

@@ -1,4 +1,5 @@
-"""What every command shares: the option decorators, one-line user errors, loading models and a session.
+"""What every command shares: each command's defaults, the option decorators, the typed options a command builds
+once from them (Options), one-line user errors, loading models and a session.
 
 Commands import this module; it imports no command.
 """
@@ -12,13 +13,16 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specchat import threads
 from specchat.engine import gguf_header
 from specchat.engine.errors import TORCH_ONLY
+from specchat.engine.sampling_params import SamplingParams
 from specchat.modes import MODES
 
 # Nothing here imports torch at module level (neither may a command module): `specchat --help`, --version and
@@ -94,6 +98,189 @@ def _on_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+# ---------------------------------------------------------------- what a command runs with
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a command runs with where no option says otherwise: its options' click defaults (so its --help shows
+    them) and, for a setting it has no option for, the value its Options take."""
+
+    mode: str | None = None  # None: draft with --draft, else off
+    draft_lens: tuple[int, ...] = (4,)  # K: a session's is the first; bench measures each
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    engine: str = "auto"
+    timeout: float = 120.0  # --server: seconds to wait for the server's next chunk
+    sampled_only: bool = False  # temperature 0 is taken as the default: greedy output has no distribution to test
+
+
+# Each command's defaults, the one place they are set. The chat samples, as chat apps do (Ollama, LM Studio):
+# greedy decoding makes a small model loop ("a mystic realm," fifteen times on the default model); exact either way.
+DEFAULTS = {
+    "chat": Defaults(mode="auto", temperature=0.7, top_p=0.9),  # auto: each round the mode measured fastest
+    "generate": Defaults(),
+    "verify": Defaults(temperature=1.0, sampled_only=True),
+    "bench": Defaults(draft_lens=(2, 4, 8), seed=0, max_new_tokens=128),
+    # these score and train with torch's view of the target's layers, greedily
+    "tune": Defaults(mode="off", seed=0, max_new_tokens=48, engine="torch"),
+    "train-head": Defaults(mode="off", seed=0, max_new_tokens=16, engine="torch"),
+}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """--target ... --threads: which models load, from where, and where they run (load_models reads only these)."""
+
+    target: str | None = None  # None: the embedded default model
+    draft: str | None = None
+    download: bool = False
+    yes: bool = False
+    device: str = "auto"
+    engine: str = "auto"
+    dtype: str = "auto"
+    device_map: str | None = None
+    trust_remote_code: bool = False
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ModeSettings:
+    """--skip-layers ... --draft-vocab, parsed; None leaves the mode its own setting (tuned, trained or built in)."""
+
+    skip_layers: tuple[int, ...] | None = None
+    exit_layer: int | None = None
+    rank: float | int | None = None
+    head_file: str | None = None  # a string: bench writes these settings into results.json
+    draft_vocab: int | None = None
+
+    @classmethod
+    def parse(cls, params: dict) -> ModeSettings:
+        """From click's values: BadOption for a list or rank that is not one, UserError for a --head that is not a head."""
+        return cls(skip_layers=parse_skip_layers(params.get("skip_layers")), exit_layer=params.get("exit_layer"),
+                   rank=parse_rank(params.get("rank")), head_file=check_head_file(params.get("head_file")),
+                   draft_vocab=params.get("draft_vocab"))
+
+    def drafter_options(self) -> dict:
+        """The settings given, as the keyword options a drafter's `build` reads."""
+        out = {name: value for name, value in vars(self).items() if value is not None}
+        if "skip_layers" in out:
+            out["skip_layers"] = list(out["skip_layers"])
+        return out
+
+
+def parse_skip_layers(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BadOption(f"--skip-layers must be comma-separated layer numbers, got {text!r}") from None
+
+
+def parse_rank(text: str | None) -> float | int | None:
+    """A fraction of the full rank (0.25) or a rank (8)."""
+    if text is None:
+        return None
+    try:
+        rank = float(text)
+    except ValueError:
+        raise BadOption(f"--rank must be a fraction or an integer, got {text!r}") from None
+    return int(rank) if rank >= 1 else rank
+
+
+def check_head_file(name: str | None) -> str | None:
+    if not name:
+        return None
+    path = Path(name).expanduser()
+    if not path.with_suffix(".safetensors").is_file():
+        if path.is_file():  # a file, but not a head's weights (nor beside them)
+            raise UserError(f"--head {name}: not a draft head (a .safetensors file from `specchat train-head`, "
+                            f"with its .json beside it)")
+        raise UserError(f"--head {name}: no such file")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options the commands share, typed and checked: built once per command (from_click) and handed down.
+    What lies below the CLI gets the values it needs (a SamplingParams, a drafter's options), never this."""
+
+    command: str
+    models: ModelOptions
+    mode: str  # resolved: the command's default, else draft with --draft, else off
+    draft_len: int
+    sampling: SamplingParams
+    seed: int | None
+    max_new_tokens: int
+    settings: ModeSettings = ModeSettings()
+    adaptive: bool = False
+    accept_rule: str = "exact"  # parsed by the engine (acceptance.parse_rule, which needs torch) when loading
+    system: str | None = None
+    servers: tuple[tuple[str | None, str], ...] = ()  # --server as (name or None, url)
+    timeout: float = Defaults.timeout
+    given: frozenset[str] = frozenset()  # the parameters the user set: --server refuses a --mode or -k given
+
+    @classmethod
+    def from_click(cls, command: str, ctx: click.Context | None = None) -> Options:
+        """From the parameters of `ctx` (default: the command being invoked); a setting the command has no option
+        for takes DEFAULTS[command]. Values click's types cannot check are refused here, in one line."""
+        ctx = ctx or click.get_current_context()
+        params, defaults = ctx.params, DEFAULTS[command]
+        fallback = {**vars(ModelOptions()), "engine": defaults.engine}  # tune and train-head have no --engine
+        models = ModelOptions(**{name: params.get(name, value) for name, value in fallback.items()})
+        temperature = params.get("temperature", defaults.temperature)
+        if temperature == 0 and defaults.sampled_only:
+            temperature = defaults.temperature
+        sampling = SamplingParams(temperature, params.get("top_k", defaults.top_k), params.get("top_p", defaults.top_p))
+        return cls(
+            command=command,
+            models=models,
+            mode=params.get("mode") or defaults.mode or ("draft" if models.draft else "off"),
+            draft_len=params.get("draft_len", defaults.draft_lens[0]),
+            sampling=sampling,
+            seed=params.get("seed", defaults.seed),
+            max_new_tokens=params.get("max_new_tokens", defaults.max_new_tokens),
+            settings=ModeSettings.parse(params),
+            adaptive=params.get("adaptive", False),
+            accept_rule=params.get("accept_rule", "exact"),
+            system=params.get("system"),
+            servers=parse_servers(params.get("servers", ())),
+            timeout=params.get("timeout", defaults.timeout),
+            given=frozenset(name for name in params if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)),
+        )
+
+
+def parse_servers(specs) -> tuple[tuple[str | None, str], ...]:
+    """--server [NAME=]URL values as (name or None, url); names must differ."""
+    out = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep or "://" in name:
+            name, url = None, spec
+        elif not name.strip() or not url.strip():
+            raise BadOption(f"--server {spec}: expected URL or NAME=URL")
+        out.append((name.strip() if name else None, url.strip()))
+    if not out:
+        return ()
+    from specchat.tui.keys import MAX_MODES
+
+    if len(out) > MAX_MODES:
+        raise BadOption(f"--server: at most {MAX_MODES} configurations (the mode keys are F2..F11)")
+    names = [n for n, _ in out if n]
+    if len(set(names)) != len(names):
+        raise BadOption("--server: two configurations with the same name")
+    if len(out) > 1 and len(names) != len(out):
+        raise BadOption("--server: name each of several servers, as NAME=URL")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- the options
+
+
 def apply(options: list, f):
     """Decorate `f` with click options, the first listed first in --help."""
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
@@ -110,11 +297,11 @@ def _model_options(f, *, draft: bool):
                      help="Let a first start write more than 1 GB into the user cache (a GGUF converted for torch) without asking. "
                           "Without it such a start asks [y/N] (the chat: a dialog); declining exits with status 1, nothing "
                           "converted; with no terminal to ask, it exits with status 2. `specchat cache` lists and removes what was written."),
-        click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
-        *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp"]), default="auto", show_default=True,
+        click.option("--device", default=ModelOptions.device, show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
+        *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp"]), default=ModelOptions.engine, show_default=True,
                         help="What runs the models: llama.cpp (GGUF files on the CPU) or torch. auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed.")]
           if draft else []),
-        click.option("--dtype", default="auto", show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
+        click.option("--dtype", default=ModelOptions.dtype, show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model repositories to run their own code (off by default)."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch and llama.cpp (default: the physical cores other work leaves free, re-chosen as that changes)."),
@@ -143,18 +330,19 @@ def mode_setting_options(f):
     ], f)
 
 
-def generation_options(f):
-    """Decoding settings shared by the chat and the headless commands."""
-    return apply([
-        click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Draft mode (default: auto in the chat; elsewhere draft if --draft is given, else off)."),
-        click.option("-k", "--draft-len", type=click.IntRange(min=1), default=4, show_default=True, help="Draft tokens per round (K)."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
-                     help="0 is greedy. Default: 0.7 in the chat, 0 in generate, verify and bench."),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-                     help="Nucleus sampling (1 disables). Default: 0.9 in the chat, 1 elsewhere."),
-        click.option("--seed", type=int, default=None, help="Makes sampling reproducible."),
-        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+def generation_options(command: str):
+    """Decoding settings shared by the chat and the headless commands, with `command`'s defaults (DEFAULTS)."""
+    d = DEFAULTS[command]
+    mode = "Draft mode." if d.mode else "Draft mode (default: draft if --draft is given, else off)."
+    greedy = f"0 is taken as {d.temperature:g}: greedy output has no distribution to test." if d.sampled_only else "0 is greedy."
+    return lambda f: apply([
+        click.option("--mode", type=click.Choice(list(MODES)), default=d.mode, show_default=bool(d.mode), help=mode),
+        click.option("-k", "--draft-len", type=click.IntRange(min=1), default=d.draft_lens[0], show_default=True, help="Draft tokens per round (K)."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=d.temperature, show_default=True, help=greedy),
+        click.option("--top-k", type=click.IntRange(min=0), default=d.top_k, show_default=True, help="0 disables."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True, help="Nucleus sampling (1 disables)."),
+        click.option("--seed", type=int, default=d.seed, show_default=d.seed is not None, help="Makes sampling reproducible."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=d.max_new_tokens, show_default=True),
         mode_setting_options,
         click.option("--adaptive", is_flag=True, help="Adjust K from recent acceptance."),
         click.option("--accept", "accept_rule", default="exact", show_default=True, help="exact, or an approximate rule approx:<param> (labelled exact: false)."),
@@ -167,7 +355,7 @@ def server_options(f):
         click.option("--server", "servers", multiple=True, metavar="[NAME=]URL",
                      help="A serving engine (llama-server or vLLM, OpenAI-compatible) instead of a local model; repeat with NAME=URL "
                           "for one configuration each (the mode keys switch). API key: $SPECCHAT_API_KEY."),
-        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=Defaults.timeout, show_default=True,
                      help="--server: seconds to wait for the server's next chunk."),
     ], f)
 
@@ -177,44 +365,15 @@ def system_option(f):
     return click.option("--system", metavar="TEXT", default=None, help="A system message at the start of the conversation.")(f)
 
 
-def mode_settings(opts: dict) -> dict:
-    """--skip-layers/--exit-layer/--rank/--head/--draft-vocab as the options a drafter's `build` reads."""
-    out = {}
-    if opts.get("skip_layers"):
-        try:
-            out["skip_layers"] = [int(x) for x in opts["skip_layers"].split(",") if x.strip()]
-        except ValueError:
-            raise BadOption(f"--skip-layers must be comma-separated layer numbers, got {opts['skip_layers']!r}") from None
-    if opts.get("head_file"):
-        path = Path(opts["head_file"]).expanduser()
-        if not path.with_suffix(".safetensors").is_file():
-            if path.is_file():  # a file, but not a head's weights (nor beside them)
-                raise UserError(f"--head {opts['head_file']}: not a draft head (a .safetensors file from `specchat train-head`, "
-                                f"with its .json beside it)")
-            raise UserError(f"--head {opts['head_file']}: no such file")
-        out["head_file"] = str(path)  # a string: bench writes these options into results.json
-    if opts.get("exit_layer") is not None:
-        out["exit_layer"] = opts["exit_layer"]
-    if opts.get("draft_vocab") is not None:
-        out["draft_vocab"] = opts["draft_vocab"]
-    if opts.get("rank") is not None:
-        try:
-            rank = float(opts["rank"])
-        except ValueError:
-            raise BadOption(f"--rank must be a fraction or an integer, got {opts['rank']!r}") from None
-        out["rank"] = int(rank) if rank >= 1 else rank
-    return out
-
-
-def likely_llama_cpp(opts: dict) -> bool:
+def likely_llama_cpp(models: ModelOptions) -> bool:
     """Whether models.pick_engine will choose llama.cpp, told without importing torch or llama.cpp (the choice
     itself needs both): llama-cpp-python is looked for on sys.path."""
-    gguf = [spec is None or spec.endswith(".gguf") for spec in (opts.get("target"), opts.get("draft") or ".gguf")]
+    gguf = [spec is None or spec.endswith(".gguf") for spec in (models.target, models.draft or ".gguf")]
     installed = any((Path(p or ".") / "llama_cpp" / "__init__.py").is_file() for p in sys.path)
-    return opts.get("engine", "torch") != "torch" and all(gguf) and opts.get("device") in ("auto", "cpu") and installed
+    return models.engine != "torch" and all(gguf) and models.device in ("auto", "cpu") and installed
 
 
-def hub_environment(opts: dict) -> None:
+def hub_environment(download: bool) -> None:
     """Hub ids come from the local cache, without a network call, unless --download. huggingface_hub reads these
     once, when it is first imported (with transformers, by the engine's modules): set them before anything does,
     or it fetches its agent registry from the Hub even for a model it then reads from the cache."""
@@ -222,29 +381,28 @@ def hub_environment(opts: dict) -> None:
     # transformers' GGUF conversion draws its bar with tqdm.auto directly (a page of lines on a terminal, a log full
     # of them in the chat): each stage has its own line instead. tqdm reads this when it is first imported.
     os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ["HF_HUB_OFFLINE"] = "0" if opts.get("download") else "1"
+    os.environ["HF_HUB_OFFLINE"] = "0" if download else "1"
 
 
-def preflight(opts: dict) -> None:
+def preflight(options: Options) -> None:
     """Refuse what is wrong with the model options before torch or a model loads (the chat is on screen before
     its models load: a missing file must not flash it). models.resolve and pick_engine check the same again
     when loading, with the same words; this only answers sooner. Options that do not go together are BadOption
     (exit status 2, as click's usage errors); a model that is missing or unreadable is a UserError (1)."""
-    hub_environment(opts)
-    mode = opts.get("mode") or ("draft" if opts.get("draft") else "off")
-    if mode == "draft" and not opts.get("draft"):
+    models, mode = options.models, options.mode
+    hub_environment(models.download)
+    if mode == "draft" and not models.draft:
         raise BadOption("--mode draft needs a draft model: pass --draft MODEL")
-    if opts.get("engine") == "llama.cpp" and opts.get("device", "auto") not in ("auto", "cpu"):
-        raise BadOption(f"--engine llama.cpp runs on the CPU; the device is {opts['device']} (use --engine torch)")
-    if opts.get("engine") == "llama.cpp" and mode in TORCH_ONLY:
+    if models.engine == "llama.cpp" and models.device not in ("auto", "cpu"):
+        raise BadOption(f"--engine llama.cpp runs on the CPU; the device is {models.device} (use --engine torch)")
+    if models.engine == "llama.cpp" and mode in TORCH_ONLY:
         raise BadOption(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
-    mode_settings(opts)
     for flag in ("target", "draft"):
-        spec = opts.get(flag)
+        spec = getattr(models, flag)
         if spec is None:
             continue
         path = Path(spec).expanduser()
-        if opts.get("engine") == "llama.cpp" and path.suffix != ".gguf":
+        if models.engine == "llama.cpp" and path.suffix != ".gguf":
             raise BadOption(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
                             f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {spec} (or use --engine torch)")
         if path.suffix == ".gguf" and not path.is_file():
@@ -257,7 +415,7 @@ def preflight(opts: dict) -> None:
             continue
         if spec.count("/") > 1 or spec.startswith((".", "/", "~")):
             raise UserError(f"model path not found: {spec}")
-        if not opts.get("download"):  # a hub id: from the local cache only
+        if not models.download:  # a hub id: from the local cache only
             from huggingface_hub import try_to_load_from_cache
 
             if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
@@ -271,7 +429,7 @@ def can_ask_on_terminal() -> bool:
     return sys.stdin is not None and sys.stdin.isatty() and sys.stderr.isatty()
 
 
-def ask_before_writing(opts: dict, progress, paths: list[Path]) -> None:
+def ask_before_writing(yes: bool, progress, paths: list[Path]) -> None:
     """A start on torch that would convert GGUF files into more than models.CONSENT_BYTES of the user cache goes on
     only with --yes or the user's yes: `progress.confirm(question)` where it has one (the chat's dialog), else
     [y/N] on a terminal. No means Declined (exit status 1); no way to ask means BadOption (2), naming --yes."""
@@ -283,7 +441,7 @@ def ask_before_writing(opts: dict, progress, paths: list[Path]) -> None:
         if path.is_file() and (n := models.conversion_bytes(path)):
             plans.setdefault(models.converted_dir(path), (path, n))
     total = sum(n for _, n in plans.values())
-    if total <= models.CONSENT_BYTES or opts.get("yes"):
+    if total <= models.CONSENT_BYTES or yes:
         return
     what = " and ".join(path.name for path, _ in plans.values())
     writes = f"writing about {size(total)} into {models.models_dir()}"
@@ -301,35 +459,35 @@ def ask_before_writing(opts: dict, progress, paths: list[Path]) -> None:
         raise Declined("declined: nothing converted (--yes skips the question; `specchat cache` lists what the cache holds)")
 
 
-def load_models(opts: dict, progress):
+def load_models(models: ModelOptions, progress):
     """Target and draft (or None) from the model options, each stage shown by `progress.status(text)` (a Rich
     Console on stderr, or the chat's own display): (target, draft, device, dtype). A start that would convert more
     than models.CONSENT_BYTES asks first (ask_before_writing), through `progress.confirm(question) -> bool` where
     `progress` has one."""
-    hub_environment(opts)
-    if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
+    hub_environment(models.download)
+    if likely_llama_cpp(models):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
-    threads.set_threads(opts.get("threads"))
+    threads.set_threads(models.threads)
     from specchat.models import (check_same_tokenizer, check_same_vocab, conversion_plan, convert_gguf, default_gguf, is_gguf,
                                  load_model, load_tokenizer, pick_device, pick_dtype, pick_engine, tokenizer_cached)
 
-    specs = [opts["target"], *([opts["draft"]] if opts.get("draft") else [])]
-    device = pick_device(opts["device"])
-    dtype = pick_dtype(opts["dtype"], device)
-    engine = pick_engine(opts.get("engine", "torch"), opts["target"], device, opts.get("draft"))
+    specs = [models.target, *([models.draft] if models.draft else [])]
+    device = pick_device(models.device)
+    dtype = pick_dtype(models.dtype, device)
+    engine = pick_engine(models.engine, models.target, device, models.draft)
     if engine == "torch":  # before anything is converted or compiled: a start that writes gigabytes asks first
-        ask_before_writing(opts, progress, [default_gguf() if spec is None else Path(spec).expanduser() for spec in specs if is_gguf(spec)])
+        ask_before_writing(models.yes, progress, [default_gguf() if spec is None else Path(spec).expanduser() for spec in specs if is_gguf(spec)])
     tokenizers = [None, None]
     cached = all(tokenizer_cached(spec) for spec in specs)
     once = "" if cached else " (first start: converting the GGUF tokenizers once into the user cache, tens of seconds)"
-    if opts.get("draft"):  # the vocabularies first: a mismatch is one line in a second, not after both models load
+    if models.draft:  # the vocabularies first: a mismatch is one line in a second, not after both models load
         with progress.status(f"Comparing the tokenizers of target and draft{once}..."):
-            tokenizers = [load_tokenizer(spec, trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")))
-                          for spec in (opts["target"], opts["draft"])]
+            tokenizers = [load_tokenizer(spec, trust_remote_code=models.trust_remote_code, download=models.download)
+                          for spec in (models.target, models.draft)]
         once = ""
         if None not in tokenizers:
-            check_same_vocab(opts["target"] or "SmolLM2-135M-Instruct (default)", tokenizers[0], opts["draft"], tokenizers[1])
-    kwargs = dict(device_map=opts["device_map"], trust_remote_code=opts["trust_remote_code"], download=bool(opts.get("download")), engine=engine)
+            check_same_vocab(models.target or "SmolLM2-135M-Instruct (default)", tokenizers[0], models.draft, tokenizers[1])
+    kwargs = dict(device_map=models.device_map, trust_remote_code=models.trust_remote_code, download=models.download, engine=engine)
     where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
     once = once if engine == "llama.cpp" else ""  # torch takes the tokenizer from the GGUF's conversion below
     if engine == "torch" and device.type == "cpu":  # the lean runner's kernel is compiled once per machine: say so
@@ -352,23 +510,24 @@ def load_models(opts: dict, progress):
         if not repack_probe.known():
             with progress.status("Testing llama.cpp's weight repacking once on this CPU, in a child process (a second)..."):
                 repack_probe.verdict()
-    with progress.status(f"Loading target {opts['target'] or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
-        target = load_model(opts["target"], device, dtype, tokenizer=tokenizers[0], **kwargs)
+    with progress.status(f"Loading target {models.target or 'SmolLM2-135M-Instruct (default)'} on {where}{once}..."):
+        target = load_model(models.target, device, dtype, tokenizer=tokenizers[0], **kwargs)
     draft = None
-    if opts.get("draft"):
-        with progress.status(f"Loading draft {opts['draft']}..."):
-            draft = load_model(opts["draft"], device, dtype, tokenizer=tokenizers[1], **kwargs)
+    if models.draft:
+        with progress.status(f"Loading draft {models.draft}..."):
+            draft = load_model(models.draft, device, dtype, tokenizer=tokenizers[1], **kwargs)
         check_same_tokenizer(target, draft)
     return target, draft, device, dtype
 
 
-def load_session(opts: dict, *, quiet: bool = False, progress=None):
+def load_session(options: Options, *, quiet: bool = False, progress=None):
     """Load models and build a Session from the generation options, each stage shown by `progress` (default: a
     spinner line on stderr), or, with --server, a RemoteSession: no model loads here and torch is never imported."""
-    if opts.get("servers"):
-        return load_remote_session(opts)
-    preflight(opts)  # sets the hub's environment before the imports below (transformers, and huggingface_hub with it)
-    if likely_llama_cpp(opts):  # before torch (and OpenMP with it) loads
+    if options.servers:
+        return load_remote_session(options)
+    preflight(options)  # sets the hub's environment before the imports below (transformers, and huggingface_hub with it)
+    models = options.models
+    if likely_llama_cpp(models):  # before torch (and OpenMP with it) loads
         threads.prepare_for_llama_cpp()
     from rich.console import Console
 
@@ -376,38 +535,35 @@ def load_session(opts: dict, *, quiet: bool = False, progress=None):
     with progress.status("Starting the engine (importing torch and transformers)..."):
         from specchat.engine.acceptance import parse_rule
         from specchat.engine.loop import AdaptiveK
-        from specchat.engine.sampling import SamplingParams
         from specchat.models import LLAMA_CPP_INSTALL, is_gguf
         from specchat.session import Session
 
-    mode = opts["mode"] or ("draft" if opts.get("draft") else "off")
     try:
-        rule = parse_rule(opts["accept_rule"])
+        rule = parse_rule(options.accept_rule)
     except ValueError as e:
         raise BadOption(str(e)) from None
-    settings = mode_settings(opts)
     with user_errors():
-        target, draft, device, dtype = load_models(opts, progress)
-        with progress.status(f"Preparing mode {mode}..."):  # auto's candidates: quantised copies, the suffix index, the head
+        target, draft, device, dtype = load_models(models, progress)
+        with progress.status(f"Preparing mode {options.mode}..."):  # auto's candidates: quantised copies, the suffix index, the head
             session = Session(
                 target,
                 draft,
-                mode=mode,
-                k=opts["draft_len"],
-                sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
-                seed=opts["seed"],
-                max_new_tokens=opts["max_new_tokens"],
-                mode_options=settings,
+                mode=options.mode,
+                k=options.draft_len,
+                sampling=options.sampling,
+                seed=options.seed,
+                max_new_tokens=options.max_new_tokens,
+                mode_options=options.settings.drafter_options(),
             )
     session.controls.rule = rule
-    if opts.get("system"):
-        session.set_system(opts["system"])
-    if opts["adaptive"]:
+    if options.system:
+        session.set_system(options.system)
+    if options.adaptive:
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7
-        session.controls.adaptive = AdaptiveK(start=opts["draft_len"], k_max=max(16, 2 * opts["draft_len"]), p_min=0.7)
-    if session.info.engine == "torch" and opts.get("engine") == "auto" and is_gguf(opts["target"]) and device.type == "cpu" \
-            and (not opts.get("draft") or is_gguf(opts["draft"])):
+        session.controls.adaptive = AdaptiveK(start=options.draft_len, k_max=max(16, 2 * options.draft_len), p_min=0.7)
+    if session.info.engine == "torch" and models.engine == "auto" and is_gguf(models.target) and device.type == "cpu" \
+            and (not models.draft or is_gguf(models.draft)):
         session.notices.append(f"llama-cpp-python is not installed, so this GGUF runs dequantised on torch; on llama.cpp plain "
                                f"decoding of the default model ran 2.3x faster on the reference machine: {LLAMA_CPP_INSTALL}")
     # the device and dtype as chosen (a GGUF on llama.cpp keeps its file's type)
@@ -417,56 +573,37 @@ def load_session(opts: dict, *, quiet: bool = False, progress=None):
 
 
 # what a server runs is the server's: these options would have no effect with --server
-LOCAL_ONLY = {"target": None, "draft": None, "download": False, "device": "auto", "engine": "auto", "dtype": "auto",
-              "device_map": None, "trust_remote_code": False, "threads": None, "adaptive": False, "accept_rule": "exact",
-              "skip_layers": None, "exit_layer": None, "rank": None, "head_file": None, "draft_vocab": None}
+LOCAL_ONLY = ("target", "draft", "download", "device", "engine", "dtype", "device_map", "trust_remote_code", "threads",
+              "adaptive", "accept_rule", "skip_layers", "exit_layer", "rank", "head_file", "draft_vocab")
+FLAGS = {"accept_rule": "--accept", "head_file": "--head"}  # where the flag is not the parameter's name
 
 
-def parse_servers(specs) -> list[tuple[str | None, str]]:
-    """--server [NAME=]URL values as (name or None, url); names must differ."""
-    out = []
-    for spec in specs:
-        name, sep, url = spec.partition("=")
-        if not sep or "://" in name:
-            name, url = None, spec
-        elif not name.strip() or not url.strip():
-            raise BadOption(f"--server {spec}: expected URL or NAME=URL")
-        out.append((name.strip() if name else None, url.strip()))
-    from specchat.tui.keys import MAX_MODES
-
-    if len(out) > MAX_MODES:
-        raise BadOption(f"--server: at most {MAX_MODES} configurations (the mode keys are F2..F11)")
-    names = [n for n, _ in out if n]
-    if len(set(names)) != len(names):
-        raise BadOption("--server: two configurations with the same name")
-    if len(out) > 1 and len(names) != len(out):
-        raise BadOption("--server: name each of several servers, as NAME=URL")
-    return out
+def local_options_given(options: Options) -> list[str]:
+    """The LOCAL_ONLY options set to anything but their defaults, as their flags."""
+    chosen = {**vars(options.models), **vars(options.settings), "adaptive": options.adaptive, "accept_rule": options.accept_rule}
+    unset = {**vars(ModelOptions()), **vars(ModeSettings()), "adaptive": False, "accept_rule": "exact"}
+    return [FLAGS.get(name, "--" + name.replace("_", "-")) for name in LOCAL_ONLY if chosen[name] != unset[name]]
 
 
-def load_remote_session(opts: dict):
+def load_remote_session(options: Options):
     """--server: ask each endpoint what it is, then a RemoteSession over them."""
     from specchat.engine.remote import RemoteError, connect
-    from specchat.engine.sampling_params import SamplingParams
     from specchat.remote_session import RemoteSession
 
-    given = [name for name, default in LOCAL_ONLY.items() if name in opts and opts[name] != default]
-    if given:
-        flags = ", ".join("--" + n.replace("_", "-") for n in given)
-        raise BadOption(f"--server: the server runs the model and its speculation; leave out {flags}")
-    ctx = click.get_current_context(silent=True)
+    if flags := local_options_given(options):
+        raise BadOption(f"--server: the server runs the model and its speculation; leave out {', '.join(flags)}")
     for name, flag in (("mode", "--mode"), ("draft_len", "-k")):
-        if ctx is not None and ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT):
+        if name in options.given:
             raise BadOption(f"--server: {flag} is the server's setting (name several configurations with NAME=URL; the "
                             f"pinned llama-server ignores a request's draft length)")
     try:
-        servers = [connect(url, name, timeout=min(opts.get("timeout") or 10.0, 10.0)) for name, url in parse_servers(opts["servers"])]
+        servers = [connect(url, name, timeout=min(options.timeout, 10.0)) for name, url in options.servers]
     except RemoteError as e:
         raise UserError(str(e)) from None
-    session = RemoteSession(servers, sampling=SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"]),
-                            seed=opts["seed"], max_new_tokens=opts["max_new_tokens"], timeout=opts.get("timeout") or 120.0)
-    if opts.get("system"):
-        session.set_system(opts["system"])
+    session = RemoteSession(servers, sampling=options.sampling, seed=options.seed, max_new_tokens=options.max_new_tokens,
+                            timeout=options.timeout)
+    if options.system:
+        session.set_system(options.system)
     return session
 
 

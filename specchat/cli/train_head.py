@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import BadOption, UserError, load_session, target_options, user_errors
+from specchat.cli.options import DEFAULTS, BadOption, Options, UserError, load_session, target_options, user_errors
 
 
 class Progress:
@@ -32,13 +32,13 @@ class Progress:
 @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=15.0, show_default=True, help="Time budget for data and training.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps (default: as many as fit --minutes; printed, for a repeatable run).")
 @click.option("--vocab", type=click.IntRange(min=1), default=8192, show_default=True, help="Tokens the head drafts among (the most frequent in the data).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=DEFAULTS["train-head"].seed, show_default=True)
 @click.option("--depth", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Draft positions trained: 2 or more also trains the head on its own predictions (EAGLE-3's training-time test).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write NAME.safetensors and NAME.json (default: the user cache, where mode head finds it).")
 @target_options
-def train_head(data_file, minutes, steps, vocab, seed, depth, out, **opts):
+def train_head(data_file, minutes, steps, vocab, seed, depth, out, **shared):
     """Train a small draft head (mode head) for the target on this machine, from the target's own replies."""
     from rich.console import Console
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
@@ -54,9 +54,7 @@ def train_head(data_file, minutes, steps, vocab, seed, depth, out, **opts):
     except TrainError as e:
         raise BadOption(str(e)) from None
     console = Console(stderr=True)
-    opts.update(draft=None, mode="off", draft_len=4, temperature=0.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=16,
-                skip_layers=None, exit_layer=None, rank=None, adaptive=False, accept_rule="exact")
-    session = load_session(opts)
+    session = load_session(Options.from_click("train-head"))  # a plain greedy session on torch
     target = session.target
     from specchat.engine.drafters.head import fingerprint
 

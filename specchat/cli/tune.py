@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specchat.cli.options import load_session, target_options, user_errors
+from specchat.cli.options import DEFAULTS, Options, load_session, target_options, user_errors
 from specchat.modes import TUNABLE
 
 WINS_ABOVE = 1.0  # a setting is worth saving only if it beats plain decoding (speedup > 1)
@@ -75,12 +75,13 @@ class Progress:
 @click.command()
 @click.option("--mode", "tune_mode", type=click.Choice(list(TUNABLE)), required=True, help="Which self-speculative mode to tune.")
 @click.option("--budget", type=click.IntRange(min=1), default=None, help="layerskip: skip sets to score (default 80); lowrank: ranks to try.")
-@click.option("--tokens", type=click.IntRange(min=8), default=48, show_default=True, help="Greedy reply length per calibration prompt.")
+@click.option("--tokens", "max_new_tokens", type=click.IntRange(min=8), default=DEFAULTS["tune"].max_new_tokens, show_default=True,
+              help="Greedy reply length per calibration prompt.")
 @click.option("--confirm/--no-confirm", default=True, show_default=True, help="Measure the chosen setting's real speed against plain decoding.")
 @click.option("--save/--no-save", default=True, show_default=True, help="Store the result for this model: the best setting as the mode's default if it beats plain decoding, else the advice to use mode off.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the search (the result is deterministic for a seed, given the measured costs).")
+@click.option("--seed", type=int, default=DEFAULTS["tune"].seed, show_default=True, help="Seeds the search (the result is deterministic for a seed, given the measured costs).")
 @target_options
-def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
+def tune(tune_mode, budget, confirm, save, **shared):
     """Find the best setting of a self-speculative mode for this model and save it as the default (if it beats plain decoding)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -91,10 +92,9 @@ def tune(tune_mode, budget, tokens, confirm, save, seed, **opts):
     from specchat.tune.search import CALIBRATION, LOWRANK_RANKS, measure_speed, tune_model
 
     console = Console(stderr=True)
-    # plain greedy settings for the session (tune has its own --mode; --skip-layers etc. do not apply)
-    opts.update(draft=None, mode="off", draft_len=4, temperature=0.0, top_k=0, top_p=1.0, seed=seed, max_new_tokens=tokens,
-                skip_layers=None, exit_layer=None, rank=None, adaptive=False, accept_rule="exact")
-    session = load_session(opts)
+    options = Options.from_click("tune")  # a plain greedy session on torch (tune's --mode is the mode it tunes)
+    tokens, seed = options.max_new_tokens, options.seed
+    session = load_session(options)
     model = session.target.model
     prompts = [session.chat_prompt([{"role": "user", "content": p}]) for p in CALIBRATION]
     n = model.config.num_hidden_layers

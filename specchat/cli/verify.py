@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from specchat.cli.options import BadOption, UserError, config_summary, generation_options, load_session, model_options, user_errors
+from specchat.cli.options import BadOption, Options, UserError, config_summary, generation_options, load_session, model_options, user_errors
 from specchat.fmt import num
 
 # specchat.verify's defaults, repeated here because importing it imports torch (this module must not:
@@ -28,18 +28,17 @@ TESTS = ("target", "homogeneity")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=DEFAULT_ALPHA, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @model_options
-@generation_options
-def verify(prompt, raw, samples, tokens, test, alpha, fmt, **opts):
+@generation_options("verify")
+def verify(prompt, raw, samples, tokens, test, alpha, fmt, **shared):
     """Check that a mode samples from the target's distribution on the loaded models."""
     from specchat.verify import default_messages, default_raw_prompt, parallel_engines, run_verify
 
     if prompt is not None and not prompt.strip():
         raise UserError("the prompt is empty")
-    if opts["temperature"] == 0:
-        opts["temperature"] = 1.0  # greedy output is deterministic: there is no distribution to compare
-    if (opts["mode"] or ("draft" if opts["draft"] else "off")) == "off":
+    options = Options.from_click("verify")  # temperature 0 taken as 1 (options.DEFAULTS)
+    if options.mode == "off":
         raise BadOption("verify tests a speculative mode against the target: choose --mode (or pass --draft)")
-    session = load_session(opts, quiet=fmt == "json")
+    session = load_session(options, quiet=fmt == "json")
     with user_errors():
         if raw:
             ids = session.raw_prompt(prompt if prompt is not None else default_raw_prompt(session.mode))
