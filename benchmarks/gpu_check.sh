@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 p = torch.cuda.get_device_properties(0)
 print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")
 PY
-python -m pytest -q tests/test_cuda.py tests/test_runner.py tests/test_head.py -x 2>&1 | tee "$OUT/tests.txt"
+python -m pytest -q tests/test_cuda.py tests/engine/test_runner.py tests/engine/drafters/test_head.py -x 2>&1 | tee "$OUT/tests.txt"
 specchat bench --device cuda --draft-len 4 --temperature 0,0.7 --max-new-tokens 64 --repeat 1 --peers \
     --verify-samples 30 --out "$OUT/default"
 if [[ -n "${PAIR_TARGET:-}" && -n "${PAIR_DRAFT:-}" ]]; then

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_verify import BROKEN, T1, TOP2, verify  # noqa: E402
 
-from helpers import ResampleFromPClaimingExact, bigram_draft, tiny_llama  # noqa: E402
+from support.broken import ResampleFromPClaimingExact  # noqa: E402
+from support.models import bigram_draft, tiny_llama  # noqa: E402
 from specchat.engine.acceptance import LenientRule  # noqa: E402
 from specchat.engine.drafters.model import ModelDrafter  # noqa: E402
 from specchat.verify import CHI2_SHARE, DEFAULT_ALPHA, DIRECTION_SHARE, LIKELIHOOD_SHARE  # noqa: E402

@@ -7,7 +7,7 @@ The source is the llama.cpp tree vendored in the llama-cpp-python source distrib
 a package registry is all a fresh machine (CI) can reach. The build is for this CPU (GGML_NATIVE), without the
 web UI, curl or OpenSSL, with scripts/amx_tilecfg_fix.h force-included as in the README's install (a
 binary built by GCC 11-12 on a CPU with AMX otherwise dies on any decode of several positions; a server you build
-yourself without it needs --no-repack there). The test suite calls build() (tests/test_remote_llama_server.py) to start real servers.
+yourself without it needs --no-repack there). The test suite calls build() (tests/remote/test_remote_llama_server.py) to start real servers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 each mutant, and this prints the score and the surviving mutants.
 
     pip install mutmut   # 3.8.1 measured; not a dependency of specchat
-    python scripts/mutation.py specchat/engine/remote.py tests/test_remote.py [--timeout 1800] [--children 2]
+    python scripts/mutation.py specchat/engine/remote.py tests/remote/test_remote.py [--timeout 1800] [--children 2]
 
 Not part of the test suite (it runs the chosen tests once per mutant). mutmut works in ./mutants (a copy of the
 tree) and reads its settings from setup.cfg, which this script writes for the run and removes after. Score:

@@ -22,8 +22,8 @@ keep_tiles_for_llama_cpp()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import remote_standin
-from helpers import tiny_llama
+from support import remote_standin
+from support.models import tiny_llama
 
 # One intra-op thread: the tiny models gain nothing from two, and on a machine shared with other work
 # two OpenMP threads spin-wait for each other (measured: a SmolLM2 step 20x slower under load).
@@ -39,7 +39,7 @@ smallbatch.load(cache_dir() / "kernels")
 
 @pytest.fixture
 def standin():
-    """A stand-in llama-server on 127.0.0.1 (tests/remote_standin.py)."""
+    """A stand-in llama-server on 127.0.0.1 (tests/support/remote_standin.py)."""
     server = remote_standin.start()
     yield server
     server.shutdown()

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_env, tiny_model_dir
+from support.models import tiny_model_dir
+from support.process import run_env
 from specchat import crash_guard
 
 SPECCHAT = [sys.executable, "-m", "specchat"]

@@ -5,14 +5,14 @@ float32; sampling with a CUDA generator is reproducible."""
 import pytest
 import torch
 
-from helpers import tiny_llama
+from support.models import tiny_llama
 from specchat.engine.drafters.head import HeadDrafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.loop import Controls, generate
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
-from helpers import random_head
+from support.models import random_head
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

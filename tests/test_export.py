@@ -19,7 +19,7 @@ from specchat.engine.remote import Server
 from specchat.engine.sampling import SamplingParams
 from specchat.export import CSV_COLUMNS, conversation_markdown, export_paths, save_export, session_data, write_export
 from specchat.store import write_atomic
-from helpers import REPLY, VOCAB, FakeSession
+from support.fakes import FakeSession, REPLY, VOCAB
 
 REPLY_TEXT = "".join(VOCAB[i] for i in REPLY)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers import REPLY, VOCAB, FakeSession, tiny_model_dir
+from support.models import tiny_model_dir
+from support.fakes import FakeSession, REPLY, VOCAB
 from specchat import history
 from specchat.cli.main import main
 from specchat.engine.sampling import SamplingParams

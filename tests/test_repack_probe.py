@@ -190,7 +190,7 @@ def test_torch_bfloat16_matmuls_leave_llama_cpps_amx_tiles_alone(tmp_path, cappe
 @pytest.mark.slow
 def test_generate_says_in_its_summary_that_repacking_is_off():
     """The default command on the default model, with repacking off as the probe would turn it off: one line."""
-    from helpers import run_env
+    from support.process import run_env
 
     env = run_env(LLAMA_ARG_REPACK="0")
     ran = subprocess.run([sys.executable, "-m", "specchat", "generate", "--prompt", "Hi", "--max-new-tokens", "3", "--format", "json"],

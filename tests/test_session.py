@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import REPLY, VOCAB, FakeDrafter, FakeSession, tiny_model_dir
+from support.models import tiny_model_dir
+from support.fakes import FakeDrafter, FakeSession, REPLY, VOCAB
 from specchat.conversation import PromptTooLong
 from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.sampling import SamplingParams
@@ -127,7 +128,7 @@ def test_a_completion_is_recorded_as_a_turn_without_a_user_message():
 
 class CharTokenizer:
     """Encodes character by character (chat headers <s> <u> <a> are special tokens), but its vocabulary also holds
-    the whole words of helpers.VOCAB (ids 0-27) that FakeSession's replies are made of: as with BPE, re-encoding a
+    the whole words of support.fakes.VOCAB (ids 0-27) that FakeSession's replies are made of: as with BPE, re-encoding a
     reply's text does not give back the ids the model generated. Decoding cleans up " ." unless told not to, as
     many Hugging Face tokenizers do; encoding prepends <bos> unless add_special_tokens=False."""
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import run_env
+from support.process import run_env
 from specchat import threads
 
 
@@ -78,7 +78,7 @@ def test_adapt_acts_only_when_specchat_chose_the_threads(monkeypatch, keep_threa
 
 
 def test_a_session_reply_lets_the_governor_look_between_rounds(monkeypatch, tmp_path):
-    from helpers import tiny_model_dir
+    from support.models import tiny_model_dir
     from specchat.engine.sampling import SamplingParams
     from specchat.models import load_model
     from specchat.session import Session

@@ -22,15 +22,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (
-    PROMPT,
-    BonusFromPreviousPosition,
-    QWithoutTopK,
-    ResampleFromPClaimingExact,
-    bigram_draft,
-    tiny_llama,
-    tiny_model_dir,
-)
+from support.models import bigram_draft, tiny_llama, tiny_model_dir
+from support.exact import PROMPT
+from support.broken import BonusFromPreviousPosition, QWithoutTopK, ResampleFromPClaimingExact
 from specchat.engine.acceptance import LenientRule
 from specchat.engine.cache import forward_logits, new_cache
 from specchat.engine.drafters import Drafter

@@ -1,0 +1,211 @@
+"""The lean runner reading a GGUF file in place (engine/gguf_model.py): the same logits as the runner built from the
+converted model with the file's blocks swapped in, K-quant files whose Q, K and V differ in type, float32 files,
+and a one-line refusal for what it does not read."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specchat.engine import smallbatch
+from specchat.engine.gguf_model import Unreadable, load_runner
+from specchat.engine.smallbatch import GGUFStack, GGUFWeights
+from specchat.models import default_gguf
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel(tmp_path_factory):
+    if not smallbatch.load(tmp_path_factory.mktemp("kernels")):
+        pytest.skip("no C compiler")
+
+
+def logits(runner, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return runner.forward(ids, range(runner.n_layers), runner.new_cache(), 0, keep=len(ids))  # [S, V]
+
+
+@pytest.mark.slow
+def test_the_default_model_read_in_place_is_the_converted_model_on_its_blocks_to_the_bit(smol):
+    """Config, norms, RoPE tables, the embedding looked up in the file and every matrix's blocks: the runner built
+    from the file alone gives the logits of the converted model's runner with the same blocks swapped in."""
+    from specchat.engine.runner import lean_runner
+
+    native = load_runner(default_gguf())
+    swapped = lean_runner(smol.model).on_gguf_blocks(default_gguf())
+    assert native.model is None and isinstance(native.embed_w, GGUFWeights)
+    ids = smol.raw_ids("The quick brown fox jumps over the lazy dog. The capital of France is")
+    assert torch.equal(logits(native, ids), logits(swapped, ids))
+
+
+def test_a_float32_llama_file_gives_the_torch_model_s_logits(tmp_path):
+    """F32 matrices are read as float32 views and llama's Q/K rows put back from llama.cpp's order: the file's
+    runner is the model's own runner, bit for bit."""
+    from support.models import tiny_llama
+    from support.gguf import write_gguf
+    from specchat.engine.runner import lean_runner
+
+    model = tiny_llama(seed=5, layers=2, hidden_size=64, intermediate_size=96).requires_grad_(False)
+    native = load_runner(write_gguf(model, tmp_path / "tiny.gguf"))
+    ids = [1, 7, 3, 9, 4, 2, 8]
+    assert torch.equal(logits(native, ids), logits(lean_runner(model), ids))
+
+
+def write_k_quant_qwen2(path, *, tied: bool, seed: int = 0) -> None:
+    """A tiny Qwen2 (q/k/v biases) whose matrices are random K-quant super-blocks as a Q4_K_M file mixes them: Q and
+    K in Q4_K, V and down in Q6_K, the rest Q4_K; an untied head in Q6_K, or the Q8_0 embedding as the head."""
+    rng = np.random.default_rng(seed)
+    D, I, H, Hkv, hd, V, layers = 256, 512, 4, 2, 64, 96, 2
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for key, value in (("context_length", 512), ("embedding_length", D), ("block_count", layers), ("feed_forward_length", I),
+                       ("attention.head_count", H), ("attention.head_count_kv", Hkv)):
+        writer.add_uint32(f"qwen2.{key}", value)
+    writer.add_float32("qwen2.rope.freq_base", 1e6)
+    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+
+    def blocks(kind: str, n: int, d: int):
+        size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+        data = rng.integers(0, 256, (n, d // 256, size), dtype=np.uint8)
+        low = {"Q4_K": 1e-4, "Q6_K": 1e-5}[kind]  # weights of ~0.02: activations that neither vanish nor explode
+        for at in {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]:
+            data[:, :, at : at + 2] = rng.uniform(low, 3 * low, (n, d // 256)).astype(np.float16)[..., None].view(np.uint8)
+        writer.add_tensor(name, data.reshape(n, -1), raw_dtype=gguf.GGMLQuantizationType[kind])  # (its shape in bytes)
+
+    def vector(n: int, scale: float = 1.0, offset: float = 0.0):
+        writer.add_tensor(name, (offset + scale * rng.standard_normal(n)).astype(np.float32))
+
+    name = "token_embd.weight"
+    embed = rng.standard_normal((V, D)).astype(np.float32)
+    writer.add_tensor(name, gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for i in range(layers):
+        for part, kind, n, d in (("attn_q", "Q4_K", H * hd, D), ("attn_k", "Q4_K", Hkv * hd, D), ("attn_v", "Q6_K", Hkv * hd, D),
+                                 ("attn_output", "Q4_K", D, H * hd), ("ffn_gate", "Q4_K", I, D), ("ffn_up", "Q4_K", I, D),
+                                 ("ffn_down", "Q6_K", D, I)):
+            name = f"blk.{i}.{part}.weight"
+            blocks(kind, n, d)
+        for part, n in (("attn_q", H * hd), ("attn_k", Hkv * hd), ("attn_v", Hkv * hd)):
+            name = f"blk.{i}.{part}.bias"
+            vector(n, 0.1)
+        for part in ("attn_norm", "ffn_norm"):
+            name = f"blk.{i}.{part}.weight"
+            vector(D, 0.1, 1.0)
+    name = "output_norm.weight"
+    vector(D, 0.1, 1.0)
+    if not tied:
+        name = "output.weight"
+        blocks("Q6_K", V, D)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["Q6_K head", "tied Q8_0 embedding"])
+def test_a_k_quant_file_whose_v_differs_in_type_runs_in_c_as_in_pytorch(tmp_path, tied):
+    """Q4_K Q and K beside a Q6_K V: one stacked matrix read where the file keeps it (no fused copy). The C layer
+    gives PyTorch's layer within float32 rounding (the same gguf_linear products), and both are the dequantised
+    float32 model within the rounding of x to int8."""
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=tied)
+    runner = load_runner(tmp_path / "k.gguf")
+    qkv = runner.blocks[0].qkv_w
+    assert isinstance(qkv, GGUFStack) and [p.type for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert runner.head_w.type == ("Q8_0" if tied else "Q6_K")
+    ids = [3, 17, 42, 5, 88, 1, 60, 9]
+    in_c = logits(runner, ids)
+    assert runner._fused is not None and all(L is not None for L in runner._fused)
+    smallbatch.layers_enabled = False
+    try:
+        in_pytorch = logits(runner, ids)
+    finally:
+        smallbatch.layers_enabled = True
+    scale = in_c.abs().max()
+    assert (in_c - in_pytorch).abs().max() <= 1e-4 * scale
+    dense = runner.with_weights(lambda w: w.float())
+    assert (in_c - logits(dense, ids)).abs().max() <= 0.05 * scale  # seen: ~1% (x rounded to 8 bits, 2 layers)
+
+
+def test_a_file_the_runner_does_not_read_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(Unreadable, match="gpt2 model; the lean runner reads llama, qwen2, qwen3"):
+        load_runner(path)
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
+    data = bytearray((tmp_path / "k.gguf").read_bytes())
+    from specchat.engine import gguf_header
+
+    info = gguf_header.read(tmp_path / "k.gguf")
+    at = data.find(b"blk.0.ffn_up.weight")  # its tensor info: name, dims, shape, then the type
+    type_at = at + len(b"blk.0.ffn_up.weight") + 4 + 8 * len(info.tensors["blk.0.ffn_up.weight"].shape)
+    data[type_at : type_at + 4] = (11).to_bytes(4, "little")  # Q3_K, a type the kernel does not take
+    (tmp_path / "q3.gguf").write_bytes(bytes(data))
+    with pytest.raises(Unreadable, match="ffn_up.weight is Q3_K; the lean runner reads"):
+        load_runner(tmp_path / "q3.gguf")
+
+
+# ---------------------------------------------------------------- exactness on a runner read in place
+
+
+def test_greedy_drafting_on_a_k_quant_file_gives_plain_greedy_decoding_s_tokens(tmp_path):
+    """The target with no HF model behind it (TargetState.on_runner): suffix drafts of a repeated sequence, verified
+    in batches of up to 5 positions, give the tokens of plain greedy decoding, one position at a time."""
+    from support.exact import run
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=False)
+    runner = load_runner(tmp_path / "k.gguf")
+    prompt = [5, 9, 14, 3, 27, 5, 9, 14, 3, 27, 5, 9, 14]
+    replies = {}
+    for mode in ("off", "suffix"):
+        state = TargetState.on_runner(runner, context_len=512)
+        assert state.runner == "lean" and state.kernel == "blocks"
+        replies[mode], records = run(None, build_drafter(mode, None), prompt, k=4, params=SamplingParams(0.0),
+                                     max_new_tokens=40, state=state)
+        if mode == "suffix":
+            assert sum(r.drafted for r in records) > 0
+    assert replies["suffix"] == replies["off"]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+@pytest.mark.slow
+def test_sampled_output_on_a_file_read_in_place_follows_its_own_distribution(tmp_path, broken):
+    """A tiny Llama written with Q5_0 matrices and read in place, drafted by a bigram table with a q of its own (K=3,
+    draws of K+1 tokens), position by position against the file's runner's exact conditionals: the exact rule
+    passes; a q reported at the wrong temperature from draft position 3 fails there."""
+    from support.models import bigram_draft, tiny_llama
+    from support.exact import ALPHA, assert_drafted_up_to, PROMPT
+    from support.broken import ReportsWrongQ
+    from support.gguf import write_gguf
+    from specchat.engine.drafters.model import ModelDrafter
+    from specchat.engine.loop import Controls
+    from specchat.engine.metrics import Stats
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+    from specchat.verify import conditional_tests, sample_continuations
+    from test_gguf_kernel import BlocksConditionals
+
+    model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
+    runner = load_runner(write_gguf(model, tmp_path / "q5.gguf", matrices="Q5_0"))
+    assert isinstance(runner.blocks[0].qkv_w, GGUFStack) and runner.head_w.type == "Q5_0"
+    state = TargetState.on_runner(runner, context_len=model.config.max_position_embeddings)
+    params = SamplingParams(1.0)
+    drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
+    if broken:
+        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
+    stats = Stats()
+    counts = sample_continuations(state, PROMPT, Controls(drafter, k=3, sampling=params), draws=5000, length=4, eos_ids=set(),
+                                  generator=torch.Generator().manual_seed(0), stats=stats)
+    positions, _, _ = conditional_tests(counts, BlocksConditionals(runner, PROMPT, params), 4)
+    p_value = min(1.0, 4 * min(p["combined_p"] for p in positions))
+    assert_drafted_up_to(stats, 3)
+    if broken:
+        assert p_value < 1e-6 and min(positions, key=lambda p: p["combined_p"])["position"] == 3, positions
+    else:
+        assert p_value >= ALPHA, positions

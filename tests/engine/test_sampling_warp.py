@@ -1,0 +1,89 @@
+"""engine/sampling's contracts that tests/engine/test_acceptance.py's numerical edges leave open (issue 26, found by
+mutation testing): any leading shape and dtype, top-k 1, the nucleus's boundary and partial sort, and the draw's
+float64 uniform."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from specchat.engine.sampling import SamplingParams, argmax, logits_to_probs, nucleus, sample
+
+
+def test_argmax_of_other_dtypes_any_leading_shape_and_a_tensor_that_needs_grad():
+    """The non-numpy path (bfloat16, or a tensor that requires grad: numpy takes neither) reduces the last dim of
+    [..., V] like the numpy one: [2, 3, 4] -> [2, 3]."""
+    x = torch.tensor([[[0, 3, 1, 2], [5, 1, 0, 0], [0, 0, 0, 7]], [[1, 0, 0, 0], [0, 0, 2, 0], [0, 4, 3, 0]]],
+                     dtype=torch.bfloat16)
+    assert argmax(x).tolist() == [[1, 0, 3], [0, 2, 1]]
+    assert argmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]], requires_grad=True)).tolist() == [1, 0]
+
+
+def test_argmax_of_a_float32_cpu_tensor_goes_through_numpy(monkeypatch):
+    """The fast path the docstring measures (6 us against torch's 87 over 49k ids) is the one taken; others are not."""
+    calls = []
+    numpy_argmax = np.argmax
+    monkeypatch.setattr(np, "argmax", lambda *a, **k: calls.append(1) or numpy_argmax(*a, **k))
+    assert argmax(torch.tensor([[0.0, 3.0, 1.0]])).tolist() == [1] and len(calls) == 1
+    assert argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.float64)).tolist() == [1] and len(calls) == 1
+
+
+def test_greedy_is_one_hot_for_any_leading_shape():
+    """[V] and [B, T, V] logits, not only [N, V]: the one-hot goes at each row's argmax on the last dim."""
+    assert logits_to_probs(torch.tensor([0.1, 3.0, 2.9, -1.0]), SamplingParams(0)).tolist() == [0.0, 1.0, 0.0, 0.0]
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]], [[0.0, 0.0, 1.0], [0.0, 5.0, 1.0]]])
+    expected = [[[0, 1, 0], [1, 0, 0]], [[0, 0, 1], [0, 1, 0]]]
+    assert logits_to_probs(logits, SamplingParams(0)).tolist() == expected
+
+
+def test_top_k_one_keeps_only_the_top_token():
+    """top-k 1 is a real setting (not "off", which is 0): sampling then always gives the most likely token."""
+    probs = logits_to_probs(torch.tensor([[0.1, 2.0, 1.0], [3.0, 0.0, 1.0]]), SamplingParams(1.0, top_k=1))
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_nucleus_drops_a_token_whose_mass_before_is_exactly_top_p():
+    """[0.5, 0.25, 0.25] (exact in binary): at top-p 0.5 the second token has 0.5 before it, which already reaches
+    top-p, so only the first stays; at 0.75 the third is dropped the same way."""
+    probs = torch.tensor([[0.5, 0.25, 0.25]])
+    assert nucleus(probs, 0.5).tolist() == [[1.0, 0.0, 0.0]]
+    torch.testing.assert_close(nucleus(probs, 0.75), torch.tensor([[2 / 3, 1 / 3, 0.0]]))
+
+
+def test_nucleus_sorts_only_the_smallest_top_n_that_holds_top_p(monkeypatch):
+    """200 ids, the top 64 at 2^-7 each (exactly 0.5 in all) and 136 sharing the other half: top-p 0.5 is reached
+    by the top 64 (>=, at equality), so only they are sorted; top-p 0.6 needs the whole vocabulary."""
+    sizes = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, n, *a, **k: sizes.append(n) or topk(x, n, *a, **k))
+    probs = torch.cat([torch.full((64,), 2.0 ** -7), torch.full((136,), 0.5 / 136)])[None]
+    out = nucleus(probs, 0.5)
+    assert sizes == [64] and torch.equal(out[0, :64], torch.full((64,), 1 / 64)) and not out[0, 64:].any()
+    sizes.clear()
+    nucleus(probs, 0.6)
+    assert sizes == [64, 200]
+
+
+def test_sample_draws_one_float64_uniform_a_row_from_the_run_generator():
+    """Each draw is the first cumulative sum above u * total, u one float64 uniform a row from the given generator
+    (53 bits: a float32 uniform's 24 would quantise a token's chance to multiples of 2^-24 of the row's mass)."""
+    probs = torch.tensor([[0.25, 0.0, 0.75], [0.1, 0.2, 0.2]])  # the second row sums to 0.5
+    cdf = probs.double().cumsum(-1)
+    got, ref = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(50):
+        u = torch.rand((2, 1), generator=ref, dtype=torch.float64) * cdf[:, -1:]
+        assert sample(probs, got).tolist() == (cdf <= u).sum(-1).tolist()
+
+
+def test_sample_never_draws_a_zero_probability_token_at_a_uniform_of_exactly_zero(monkeypatch):
+    """torch.rand can return 0: the first cumulative sum *above* 0 is the first token with mass, never one before
+    it (a search for the first sum >= u would give token 0 here)."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **k: torch.zeros(shape, dtype=k.get("dtype") or torch.float32))
+    assert sample(torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.0, 1.0, 0.0, 0.0]]), None).tolist() == [2, 1]
+
+
+def test_sample_refuses_a_row_without_mass_with_the_whole_message():
+    with pytest.raises(ValueError, match="^" + re.escape("cannot sample from a row without probability mass") + "$"):
+        sample(torch.tensor([[0.0, 0.0]]), torch.Generator().manual_seed(0))
+
