@@ -354,7 +354,7 @@ def layer_weights(block, shape) -> "LayerWeights | None":
             for i, part in enumerate(w.parts):
                 L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = part.blocks.data_ptr(), part.shape[0], GGUF_TYPES[part.type]
                 L.tensors.append(part.blocks)
-        elif w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
+        elif isinstance(w, torch.Tensor) and w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
             L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
             L.tensors.append(w)
         else:
