@@ -448,14 +448,15 @@ done:
    block) and the K-quants Q4_K, Q5_K, Q6_K (256 weights a super-block, a scale per 32 or 16 of them). Each row of x is
    first rounded to int8 in blocks of 32 with a scale per block (amax / 127, llama.cpp's q8_0). Every weight type is
    then read as blocks of 32: 32 integers q (signed, or unsigned where the type has an offset), a float scale for
-   weights 0-15 and one for 16-31 (they differ only in Q6_K), and an offset: w = scale * q + offset. Each weight
-   block is decoded once into 32 bytes and multiplied into each of the S rows' int8 blocks: lane l holds the integer
-   sum of products 4l..4l+3 (AVX-512 VNNI dpbusd on two blocks at once, 16 lanes; AVX-VNNI dpbusd or AVX2 maddubs +
-   madd on one, 8 lanes: the same integers, no sum can saturate), multiplied by its scale * d_x and fused-multiply-
-   added into that row's float lanes, block after block; the lanes are summed in one fixed tree at the end, the
-   offsets (offset * d_x * sum(x_q) per block) in block order beside them. So a row's result is the same whatever S,
-   the thread count and the SIMD path; gguf_linear's `reference` runs the same arithmetic in plain C (the tests
-   compare them bit for bit). */
+   weights 0-15 and one for 16-31 (they differ only in Q6_K), and an offset: w = scale * q + offset. A unit's scales
+   (a super-block, or 8 blocks) are read once; each weight block is decoded once into 32 bytes for as many positions
+   as the registers hold (up to 10) and multiplied into each of their int8 blocks: lane l holds the integer sum of
+   products 4l..4l+3 (AVX-512 VNNI dpbusd on two blocks at once, 16 lanes; AVX-VNNI dpbusd or AVX2 maddubs + madd on
+   one, 8 lanes: the same integers, no sum can saturate), multiplied by its scale * d_x and fused-multiply-added into
+   that position's float lanes, block after block; the offsets (offset * d_x * sum(x_q) per block) go to 8 lanes of
+   their own, a unit at a time; both are summed in one fixed tree at the end. So a position's result is the same
+   whatever S, the thread count and the SIMD path; gguf_linear's `reference` runs the same arithmetic in plain C (the
+   tests compare them bit for bit). */
 
 #include <stdlib.h>
 
