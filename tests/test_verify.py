@@ -127,6 +127,7 @@ BROKEN = {
 
 
 @pytest.mark.parametrize("bug", list(BROKEN))
+@pytest.mark.slow
 def test_a_broken_rule_fails_at_the_defaults(peaked_target, drafts, bug):
     draft, params, broken = BROKEN[bug]
     reports = []
@@ -139,6 +140,7 @@ def test_a_broken_rule_fails_at_the_defaults(peaked_target, drafts, bug):
 
 
 @pytest.mark.parametrize("draft, params", [("over", T1), ("under", TOP2)], ids=["over-confident draft, T=1", "under-confident draft, top-k 2"])
+@pytest.mark.slow
 def test_the_exact_rule_passes_at_the_expected_rate(peaked_target, drafts, draft, params):
     reports = [verify(peaked_target, ModelDrafter(drafts[draft]), params, seed=100 + seed) for seed in range(RUNS)]
     passed = sum(r["verdict"] == "pass" for r in reports)

@@ -83,6 +83,7 @@ def agreeing_draft(tiny_target):
     return bigram_draft(tiny_target, scale=2.0)
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_matches_target_distribution(tiny_target, agreeing_draft):
     fit, records = adaptive_draws(tiny_target, ModelDrafter(agreeing_draft))
     first_round_k = Counter(r.draft_len for r in records if r.index == 0)  # never capped by the budget (K_MAX+1 tokens)
@@ -92,6 +93,7 @@ def test_adaptive_sampling_matches_target_distribution(tiny_target, agreeing_dra
 
 
 @pytest.mark.parametrize("bug", ["resample from p", "q at the wrong temperature from position 3"])
+@pytest.mark.slow
 def test_adaptive_distribution_test_catches_a_broken_rule(tiny_target, agreeing_draft, bug):
     drafter, rule = ((ModelDrafter(agreeing_draft), ResampleFromP()) if bug == "resample from p"
                      else (WrongTemperatureFrom(agreeing_draft, position=3), None))

@@ -110,6 +110,7 @@ def test_a_type_it_does_not_take_is_refused():
         gguf_linear(torch.randn(1, 96), GGUFWeights(w.blocks, "Q6_K", w.shape))
 
 
+@pytest.mark.slow
 def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(tmp_path):
     """This machine may take the AVX-512 path; the AVX2 one (AMD CPUs here) is compiled for Haswell and run too."""
     import ctypes

@@ -348,6 +348,7 @@ print("ok")
 
 @needs_c_layer
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2 without AVX-512 is an x86 build")
+@pytest.mark.slow
 def test_the_c_layer_built_for_avx2_only(tmp_path):
     """The same checks on a build for a CPU with AVX2 and no AVX-512 (-march=znver2, as an AMD machine builds it:
     8 lanes, the generic lane sum), which this machine's own build never takes."""

@@ -145,6 +145,7 @@ def test_no_compiler_means_torch(monkeypatch, tmp_path):
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_a_fresh_build_loads(monkeypatch, tmp_path):
     """Compiled into an empty folder (a first start), loaded, and used. Built with -Os instead of -O3 (6 s instead
     of 16 on the reference machine): what is tested is the first start's path, and every other test uses the -O3
@@ -196,6 +197,7 @@ print(bad)
 
 @needs_compiler
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the AMD tuning is an x86 flag")
+@pytest.mark.slow
 def test_the_tail_rounds_alike_for_every_row_count_when_tuned_for_amd(tmp_path):
     """Built as an AMD machine builds it (-march=znver2), GCC contracted the scalar tail's multiply-add for some
     row counts and not others (bfloat16 and int8 at widths not a multiple of 8): the tail is an explicit FMA now."""
