@@ -152,10 +152,12 @@ def test_a_file_the_runner_does_not_read_is_refused_in_one_line(tmp_path):
 
 
 def test_greedy_drafting_on_a_k_quant_file_gives_plain_greedy_decoding_s_tokens(tmp_path):
-    """The target with no HF model behind it (TargetState.on_runner): suffix drafts of a repeated sequence, verified
-    in batches of up to 5 positions, give the tokens of plain greedy decoding, one position at a time."""
+    """The target with no HF model behind it (TargetState.on_runner): suffix drafts of a repeated sequence, and a draft
+    model read in place (ModelDrafter.on_runner; here the file itself, so every draft is the target's own choice),
+    verified in batches of up to 5 positions, give the tokens of plain greedy decoding, one position at a time."""
     from support.exact import run
     from specchat.engine.drafters import build_drafter
+    from specchat.engine.drafters.model import ModelDrafter
     from specchat.engine.sampling import SamplingParams
     from specchat.engine.target import TargetState
 
@@ -163,14 +165,16 @@ def test_greedy_drafting_on_a_k_quant_file_gives_plain_greedy_decoding_s_tokens(
     runner = load_runner(tmp_path / "k.gguf")
     prompt = [5, 9, 14, 3, 27, 5, 9, 14, 3, 27, 5, 9, 14]
     replies = {}
-    for mode in ("off", "suffix"):
+    for mode in ("off", "suffix", "draft"):
         state = TargetState.on_runner(runner, context_len=512)
         assert state.runner == "lean" and state.kernel == "blocks"
-        replies[mode], records = run(None, build_drafter(mode, None), prompt, k=4, params=SamplingParams(0.0),
-                                     max_new_tokens=40, state=state)
-        if mode == "suffix":
+        drafter = ModelDrafter.on_runner(load_runner(tmp_path / "k.gguf")) if mode == "draft" else build_drafter(mode, None)
+        replies[mode], records = run(None, drafter, prompt, k=4, params=SamplingParams(0.0), max_new_tokens=40, state=state)
+        if mode != "off":
             assert sum(r.drafted for r in records) > 0
-    assert replies["suffix"] == replies["off"]
+        if mode == "draft":
+            assert sum(r.accepted for r in records) == sum(r.drafted for r in records)
+    assert replies["suffix"] == replies["off"] == replies["draft"]
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])

@@ -78,6 +78,16 @@ class ModelDrafter(Drafter):
             self.head_w = lean.head_w[self.vocab_ids]  # [N, D]: the one copy, N rows of the LM head
         self.reset()
 
+    @classmethod
+    def on_runner(cls, lean: Runner, stand_in: int = 0) -> "ModelDrafter":
+        """A draft model on a runner with no HF model behind it (a GGUF file read in place, engine/gguf_model.py);
+        `stand_in` is fed for target ids beyond its embedding table."""
+        drafter = cls.__new__(cls)
+        drafter.model, drafter.lean, drafter.vocab_ids = None, lean, None
+        drafter.embed_size, drafter.stand_in = lean.embed_w.shape[0], stand_in
+        drafter.reset()
+        return drafter
+
     def reset(self) -> None:
         self.cache = self.lean.new_cache() if self.lean is not None else new_cache(self.model)
         self.cached: list[int] = []  # tokens whose KV the draft cache holds
