@@ -228,16 +228,9 @@ def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken
     """A tiny Llama whose every matrix is Q4_1 blocks (dims of 64: whole blocks), drafted by a bigram table with a q of
     its own, K=3 and draws of K+1 tokens, position by position against the blocks model's exact conditionals: the
     exact rule passes; a q reported at the wrong temperature from draft position 3 fails there."""
-    from support.models import bigram_draft, tiny_llama
-    from support.exact import ALPHA, assert_drafted_up_to, PROMPT
-    from support.broken import ReportsWrongQ
-    from specchat.engine.drafters.model import ModelDrafter
-    from specchat.engine.loop import Controls
-    from specchat.engine.metrics import Stats
+    from support.models import tiny_llama
     from specchat.engine.runner import lean_runner
-    from specchat.engine.sampling import SamplingParams
     from specchat.engine.target import TargetState
-    from specchat.verify import conditional_tests, sample_continuations
 
     model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
 
@@ -249,6 +242,22 @@ def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken
     assert isinstance(blocks.blocks[0].qkv_w, GGUFWeights)
     state = TargetState(model)
     state.lean = blocks
+    assert_follows_the_runner(state, blocks, model, broken)
+
+
+def assert_follows_the_runner(state, runner, model, broken: bool) -> None:
+    """Draws of K+1 = 4 tokens from `state` (a target on `runner`), drafted by a bigram table of `model` with a q of its
+    own (K=3), tested position by position against the runner's own conditionals: the exact rule passes; with
+    `broken`, a q reported at the wrong temperature from draft position 3 fails there."""
+    from support.broken import ReportsWrongQ
+    from support.exact import ALPHA, PROMPT, assert_drafted_up_to
+    from support.models import bigram_draft
+    from specchat.engine.drafters.model import ModelDrafter
+    from specchat.engine.loop import Controls
+    from specchat.engine.metrics import Stats
+    from specchat.engine.sampling import SamplingParams
+    from specchat.verify import conditional_tests, sample_continuations
+
     params = SamplingParams(1.0)
     drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
     if broken:
@@ -256,7 +265,7 @@ def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken
     stats = Stats()
     counts = sample_continuations(state, PROMPT, Controls(drafter, k=3, sampling=params), draws=5000, length=4, eos_ids=set(),
                                   generator=torch.Generator().manual_seed(0), stats=stats)
-    positions, _, _ = conditional_tests(counts, BlocksConditionals(blocks, PROMPT, params), 4)
+    positions, _, _ = conditional_tests(counts, BlocksConditionals(runner, PROMPT, params), 4)
     p_value = min(1.0, 4 * min(p["combined_p"] for p in positions))
     assert_drafted_up_to(stats, 3)
     if broken:

@@ -183,33 +183,13 @@ def test_sampled_output_on_a_file_read_in_place_follows_its_own_distribution(tmp
     """A tiny Llama written with Q5_0 matrices and read in place, drafted by a bigram table with a q of its own (K=3,
     draws of K+1 tokens), position by position against the file's runner's exact conditionals: the exact rule
     passes; a q reported at the wrong temperature from draft position 3 fails there."""
-    from support.models import bigram_draft, tiny_llama
-    from support.exact import ALPHA, assert_drafted_up_to, PROMPT
-    from support.broken import ReportsWrongQ
     from support.gguf import write_gguf
-    from specchat.engine.drafters.model import ModelDrafter
-    from specchat.engine.loop import Controls
-    from specchat.engine.metrics import Stats
-    from specchat.engine.sampling import SamplingParams
+    from support.models import tiny_llama
     from specchat.engine.target import TargetState
-    from specchat.verify import conditional_tests, sample_continuations
-    from test_gguf_kernel import BlocksConditionals
+    from test_gguf_kernel import assert_follows_the_runner
 
     model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
     runner = load_runner(write_gguf(model, tmp_path / "q5.gguf", matrices="Q5_0"))
     assert isinstance(runner.blocks[0].qkv_w, GGUFStack) and runner.head_w.type == "Q5_0"
     state = TargetState.on_runner(runner, context_len=model.config.max_position_embeddings)
-    params = SamplingParams(1.0)
-    drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
-    if broken:
-        drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
-    stats = Stats()
-    counts = sample_continuations(state, PROMPT, Controls(drafter, k=3, sampling=params), draws=5000, length=4, eos_ids=set(),
-                                  generator=torch.Generator().manual_seed(0), stats=stats)
-    positions, _, _ = conditional_tests(counts, BlocksConditionals(runner, PROMPT, params), 4)
-    p_value = min(1.0, 4 * min(p["combined_p"] for p in positions))
-    assert_drafted_up_to(stats, 3)
-    if broken:
-        assert p_value < 1e-6 and min(positions, key=lambda p: p["combined_p"])["position"] == 3, positions
-    else:
-        assert p_value >= ALPHA, positions
+    assert_follows_the_runner(state, runner, model, broken)
