@@ -742,6 +742,19 @@ static inline __m256 lane_scales(__m256 lo, __m256 hi, int j) {
     return _mm256_permutevar8x32_ps(j < 4 ? lo : hi, at);
 }
 
+/* A unit's start, in both SIMD paths: its weights prefetched ahead, its scales (lo, hi: unit_scales_simd), and its
+   offsets times each position's block sums added to that position's offset lanes */
+static inline __attribute__((always_inline)) void begin_unit(int type, const unsigned char *row, long u0, int units,
+                                                             const float *x_sums, long nbp, const long S, __m256 *offset,
+                                                             __m256 *lo, __m256 *hi) {
+    const char *ahead = (const char *)block_at(type, row, u0) + PREFETCH;
+    _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0), _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    __m256 off;
+    unit_scales_simd(type, row, u0, units, lo, hi, &off);
+    if (unsigned_weights(type))
+        for (long s = 0; s < S; s++) offset[s] = _mm256_fmadd_ps(off, _mm256_loadu_ps(x_sums + s * nbp + u0), offset[s]);
+}
+
 /* rows n0..n1-1 of y for S positions, S a constant where it is inlined (gguf_rows' switch): each weight block is
    decoded once into a register and multiplied into the S positions' accumulators, which stay in registers */
 static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_d, const float *x_sums,
@@ -755,13 +768,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_
         for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            const char *ahead = (const char *)block_at(type, row, u0) + PREFETCH;
-            _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0), _mm_prefetch(ahead + 128, _MM_HINT_T0);
-            __m256 lo, hi, off;
-            unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
-            if (offsets)
-                for (long s = 0; s < S; s++)
-                    offset[s] = _mm256_fmadd_ps(off, _mm256_loadu_ps(x_sums + s * nbp + u0), offset[s]);
+            __m256 lo, hi;
+            begin_unit(type, row, u0, units, x_sums, nbp, S, offset, &lo, &hi);
             for (int j = 0; j < units; j++) {
                 long b = u0 + j;
                 __m256i wq = decode_simd(type, block_at(type, row, b), j);
@@ -808,13 +816,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            const char *ahead = (const char *)block_at(type, row, u0) + PREFETCH;
-            _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0), _mm_prefetch(ahead + 128, _MM_HINT_T0);
-            __m256 lo, hi, off;
-            unit_scales_simd(type, row, u0, units, &lo, &hi, &off);
-            if (offsets)
-                for (long s = 0; s < S; s++)
-                    offset[s] = _mm256_fmadd_ps(off, _mm256_loadu_ps(x_sums + s * nbp + u0), offset[s]);
+            __m256 lo, hi;
+            begin_unit(type, row, u0, units, x_sums, nbp, S, offset, &lo, &hi);
             __m512 scales = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
             for (int j = 0; j + 1 < units; j += 2) { /* a pair: blocks j, j+1 */
                 long b = u0 + j;
