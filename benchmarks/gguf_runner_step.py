@@ -1,4 +1,4 @@
-"""The lean runner's step on a GGUF file's own blocks (Runner.on_gguf_blocks) against the same runner on the float32
+"""The lean runner's step on a GGUF file's own blocks (gguf_model.with_file_blocks) against the same runner on the float32
 conversion, for 1..16 positions, interleaved, medians: what a plain step and a verify cost when the matrices are
 the file's 4-bit blocks (x rounded to int8 per block) instead of float32 copies.
 
@@ -16,6 +16,7 @@ import torch
 
 from specchat import models
 from specchat.engine import smallbatch
+from specchat.engine.gguf_model import with_file_blocks
 from specchat.engine.runner import lean_runner
 from specchat.store import cache_dir
 
@@ -40,7 +41,7 @@ def main() -> None:
     smallbatch.load(cache_dir() / "kernels")
     model = models.load_model(None, torch.device("cpu"), torch.float32)
     runners = {"float32": lean_runner(model.model)}
-    runners["blocks"] = runners["float32"].on_gguf_blocks(models.default_gguf())
+    runners["blocks"] = with_file_blocks(runners["float32"], models.default_gguf())
     prompt = model.raw_ids("The quick brown fox jumps over the lazy dog. " * 8)
     positions = [int(p) for p in args.positions.split(",")]
     times = {(name, p): [] for name in runners for p in positions}

@@ -9,6 +9,7 @@ does not take) is refused in one line (`Unreadable`) and keeps the other engines
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -169,3 +170,31 @@ def load_runner(path: str | Path) -> Runner:
     embed = file.matrix("token_embd.weight")
     head = file.matrix("output.weight") if file.has("output.weight") else embed  # tied: the embedding's own blocks
     return Runner.of_weights(rotary_embedding(file, head_dim), embed, file.vector("output_norm.weight"), eps, head, blocks, shape)
+
+
+def with_file_blocks(runner: Runner, path: str | Path) -> Runner:
+    """`runner` (a model converted from this file) with every matrix replaced by the file's own blocks where the kernel
+    takes their type, the rest kept: the model llama.cpp runs from the file, on the converted model's norms,
+    embedding and RoPE tables (the tests compare it with load_runner's)."""
+    file = GGUFFile(path)
+
+    def rows(name: str, heads: int | None = None):
+        try:
+            w = file.matrix(name, heads)
+        except Unreadable:
+            return None
+        return w if isinstance(w, smallbatch.GGUFWeights) else None
+
+    def joined(parts):  # [q; k; v] or [gate; up], as the runner stacks the HF matrices
+        return None if None in parts else smallbatch.GGUFStack(tuple(parts))
+
+    blocks = []
+    for i, b in enumerate(runner.blocks):
+        at = f"blk.{i}."
+        qkv = joined([rows(at + "attn_q.weight", runner.n_heads), rows(at + "attn_k.weight", runner.n_kv_heads), rows(at + "attn_v.weight")])
+        gate_up = joined([rows(at + "ffn_gate.weight"), rows(at + "ffn_up.weight")])
+        o, down = rows(at + "attn_output.weight"), rows(at + "ffn_down.weight")
+        blocks.append(dataclasses.replace(b, qkv_w=qkv or b.qkv_w, o_w=o or b.o_w, gate_up_w=gate_up or b.gate_up_w,
+                                          down_w=down or b.down_w))
+    head = rows("output.weight") or rows("token_embd.weight") or runner.head_w  # tied: the embedding's blocks
+    return runner.with_matrices(blocks, head)

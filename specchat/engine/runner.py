@@ -213,45 +213,14 @@ class Runner:
         """This runner with every matrix (QKV, o, gate/up, down, LM head) replaced by convert(matrix) and everything
         else shared (embedding, norms, biases, RoPE tables): the target's own weights at a lower precision, for a
         draft (`streamed`, mode quant). The model's own weights stay as they are."""
+        blocks = [dataclasses.replace(b, qkv_w=convert(b.qkv_w), o_w=convert(b.o_w), gate_up_w=convert(b.gate_up_w),
+                                      down_w=convert(b.down_w)) for b in self.blocks]
+        return self.with_matrices(blocks, convert(self.head_w))
+
+    def with_matrices(self, blocks: list[Block], head_w) -> "Runner":
+        """This runner with these blocks and LM head, everything else shared (the C layers' weights built anew)."""
         other = copy.copy(self)
-        other.blocks = [dataclasses.replace(b, qkv_w=convert(b.qkv_w), o_w=convert(b.o_w), gate_up_w=convert(b.gate_up_w),
-                                            down_w=convert(b.down_w)) for b in self.blocks]
-        other.head_w = convert(self.head_w)
-        return other
-
-    def on_gguf_blocks(self, path) -> "Runner":
-        """This runner with every matrix replaced by the GGUF file's own blocks where the kernel takes their type
-        (smallbatch.GGUFWeights, read in place): the model llama.cpp runs from that file (x rounded to int8 per block),
-        on this runner. The file must be the one this model was converted from; a llama file's Q/K rows are put back
-        from llama.cpp's interleaved RoPE order, as transformers' loader does."""
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        tensors = {t.name: smallbatch.GGUFWeights.of(t) for t in reader.tensors if len(t.shape) == 2}  # (matrices)
-        llama = bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
-
-        def rows(name: str, heads: int | None = None):
-            w = tensors.get(name)
-            if w is None or not smallbatch.gguf_usable(w):
-                return None
-            if llama and heads:  # GGUF row j holds HF row order[j]
-                order = torch.arange(w.shape[0]).reshape(heads, 2, -1).swapaxes(1, 2).reshape(-1)
-                w = dataclasses.replace(w, blocks=w.blocks[torch.argsort(order)])
-            return w
-
-        def joined(parts):  # [q; k; v] or [gate; up], as fuse_rows stacks the HF matrices
-            return None if None in parts else smallbatch.GGUFStack(tuple(parts))
-
-        other, blocks = copy.copy(self), []
-        for i, b in enumerate(self.blocks):
-            at = f"blk.{i}."
-            qkv = joined([rows(at + "attn_q.weight", self.n_heads), rows(at + "attn_k.weight", self.n_kv_heads), rows(at + "attn_v.weight")])
-            gate_up = joined([rows(at + "ffn_gate.weight"), rows(at + "ffn_up.weight")])
-            o, down = rows(at + "attn_output.weight"), rows(at + "ffn_down.weight")
-            blocks.append(dataclasses.replace(b, qkv_w=qkv or b.qkv_w, o_w=o or b.o_w, gate_up_w=gate_up or b.gate_up_w,
-                                              down_w=down or b.down_w))
-        other.blocks = blocks
-        other.head_w = rows("output.weight") or rows("token_embd.weight") or self.head_w  # tied: the embedding
+        other.blocks, other.head_w = blocks, head_w
         other._fused = other._fused_for = None
         return other
 

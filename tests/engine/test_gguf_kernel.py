@@ -146,10 +146,11 @@ def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(
 
 @pytest.fixture(scope="module")
 def block_runners(smol):
+    from specchat.engine.gguf_model import with_file_blocks
     from specchat.engine.runner import lean_runner
 
     runner = lean_runner(smol.model)
-    return runner, runner.on_gguf_blocks(default_gguf())
+    return runner, with_file_blocks(runner, default_gguf())
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specchat.engine import smallbatch
-from specchat.engine.gguf_model import Unreadable, load_runner
+from specchat.engine.gguf_model import Unreadable, load_runner, with_file_blocks
 from specchat.engine.smallbatch import GGUFStack, GGUFWeights
 from specchat.models import default_gguf
 
@@ -33,7 +33,7 @@ def test_the_default_model_read_in_place_is_the_converted_model_on_its_blocks_to
     from specchat.engine.runner import lean_runner
 
     native = load_runner(default_gguf())
-    swapped = lean_runner(smol.model).on_gguf_blocks(default_gguf())
+    swapped = with_file_blocks(lean_runner(smol.model), default_gguf())
     assert native.model is None and isinstance(native.embed_w, GGUFWeights)
     ids = smol.raw_ids("The quick brown fox jumps over the lazy dog. The capital of France is")
     assert torch.equal(logits(native, ids), logits(swapped, ids))
