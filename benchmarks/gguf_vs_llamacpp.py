@@ -2,7 +2,7 @@
 forward of 1, 2, 5, 9 and 16 positions costs on each (the plain step, and verifies of K = 1, 4, 8, 15), in ms and in
 each engine's own plain steps.
 
-    python benchmarks/gguf_vs_llamacpp.py [FILE.gguf] [--threads 2] [--reps 5] [--repack both]
+    python benchmarks/gguf_vs_llamacpp.py [FILE.gguf] [--threads 2] [--reps 5] [--repack both] [--file-layout]
 
 Protocol as benchmarks/llamacpp_step.py: a 100-token prefill, then decodes at position 100 keeping logits for every
 fed position (as a verify does), the median of 8 per repetition, the median over repetitions; engines interleaved
@@ -36,8 +36,8 @@ PROMPT = list(range(1000, 1100))
 
 
 class Lean:
-    def __init__(self, path: Path) -> None:
-        self.runner = load_runner(path)
+    def __init__(self, path: Path, interleaved: bool = True) -> None:
+        self.runner = load_runner(path, interleaved)
 
     def decodes(self, s: int) -> list[float]:
         cache = self.runner.new_cache()
@@ -71,12 +71,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--repack", choices=["probe", "on", "off", "both"], default="probe")
+    ap.add_argument("--file-layout", action="store_true", help="also the lean runner on the file's layout (no copy)")
     args = ap.parse_args()
     path = Path(args.file) if args.file else default_gguf()
     torch.set_num_threads(args.threads)
     assert smallbatch.load(cache_dir() / "kernels"), "the kernel cannot be built here"
     repacks = {"probe": [repack_probe.verdict().repack], "on": [True], "off": [False], "both": [True, False]}[args.repack]
-    engines = {"lean (blocks)": Lean(path), **{f"llama.cpp repack {'on' if r else 'off'}": LlamaCpp(path, r) for r in repacks}}
+    lean = {"lean (interleaved)": Lean(path)}
+    if args.file_layout:
+        lean["lean (file layout)"] = Lean(path, interleaved=False)
+    engines = {**lean, **{f"llama.cpp repack {'on' if r else 'off'}": LlamaCpp(path, r) for r in repacks}}
     print(f"{path.name}, {args.threads} threads, load average before {os.getloadavg()[0]:.2f}", flush=True)
     ms: dict[tuple, list[float]] = {}
     with torch.inference_mode():

@@ -30,10 +30,12 @@ class Unreadable(ValueError):
 
 
 class GGUFFile:
-    """A GGUF file's tensors as numpy views of its memory map, by name."""
+    """A GGUF file's tensors as numpy views of its memory map, by name; `interleaved`: matrices with 16 rows
+    interleaved for the kernel (GGUFWeights.packed: a copy made at load, a verify's extra positions a third as dear)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, interleaved: bool = True) -> None:
         self.path = Path(path)
+        self.interleaved = interleaved
         self.header = gguf_header.read(self.path)
         self.arch = self.header.metadata.get("general.architecture")
         self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -82,7 +84,7 @@ class GGUFFile:
             raise Unreadable(f"{self.path.name}: {name} is {kind}; the lean runner reads {', '.join(smallbatch.GGUF_TYPES)}, F32 and F16")
         if heads and self.arch == "llama":
             w = _unpermute(w, heads)
-        return w
+        return w.packed() if self.interleaved and isinstance(w, smallbatch.GGUFWeights) else w
 
 
 def type_name(kind: int) -> str:
@@ -138,9 +140,10 @@ def rotary_embedding(file: GGUFFile, head_dim: int):
     return rotary(config=config)
 
 
-def load_runner(path: str | Path) -> Runner:
-    """The lean runner on the file's own blocks, read in place (Unreadable: why it cannot be)."""
-    file = GGUFFile(path)
+def load_runner(path: str | Path, interleaved: bool = True) -> Runner:
+    """The lean runner on the file's own blocks, read in place (Unreadable: why it cannot be); `interleaved=False`
+    multiplies them in the file's layout (no copy; benchmarks compare the two)."""
+    file = GGUFFile(path, interleaved)
     if file.arch not in FAMILIES:
         raise Unreadable(f"{file.path.name} is a {file.arch} model; the lean runner reads {', '.join(sorted(FAMILIES))}")
     needed = ["token_embd.weight", "output_norm.weight"] + [f"blk.0.{n}.weight" for n in REQUIRED]
@@ -172,11 +175,11 @@ def load_runner(path: str | Path) -> Runner:
     return Runner.of_weights(rotary_embedding(file, head_dim), embed, file.vector("output_norm.weight"), eps, head, blocks, shape)
 
 
-def with_file_blocks(runner: Runner, path: str | Path) -> Runner:
+def with_file_blocks(runner: Runner, path: str | Path, interleaved: bool = True) -> Runner:
     """`runner` (a model converted from this file) with every matrix replaced by the file's own blocks where the kernel
     takes their type, the rest kept: the model llama.cpp runs from the file, on the converted model's norms,
     embedding and RoPE tables (the tests compare it with load_runner's)."""
-    file = GGUFFile(path)
+    file = GGUFFile(path, interleaved)
 
     def rows(name: str, heads: int | None = None):
         try:

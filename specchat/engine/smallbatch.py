@@ -13,7 +13,8 @@ the C code microseconds.
 
 `gguf_linear` multiplies a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
 Q6_K), read in place, for 1-16 positions (x rounded to int8 per block of 32, as llama.cpp does): the weights a
-quantised model streams, with no float32 copy.
+quantised model streams, with no float32 copy. `GGUFWeights.packed` interleaves 16 rows once at load time (about the
+file's bytes again), so that a verify's extra positions cost a third as much (the kernel's comment says why).
 
 Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
 (`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
@@ -49,6 +50,7 @@ _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
 _fn_layer = None  # and smallbatch_layer (a whole decoder layer)
 _fn_gguf = None  # and gguf_linear (GGUFWeights: a GGUF file's own blocks)
+_fn_pack = None  # and gguf_pack, gguf_packed_bytes (GGUFWeights.packed)
 _lock = threading.Lock()
 
 
@@ -97,7 +99,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_gguf
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_gguf, _fn_pack
     with _lock:
         if _fn is None:
             try:
@@ -119,7 +121,11 @@ def load(folder: Path) -> bool:
             gguf = lib.gguf_linear
             gguf.restype = ctypes.c_int  # x, w, type, y, S, N, D, threads, reference
             gguf.argtypes = [ptr, ptr, ctypes.c_int, ptr, long, long, long, ctypes.c_int, ctypes.c_int]
-            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_gguf = lib, fns, layer, gguf
+            pack, packed_bytes = lib.gguf_pack, lib.gguf_packed_bytes
+            pack.restype, packed_bytes.restype = ctypes.c_int, long  # w, type, N, D, out, threads; type, N, D
+            pack.argtypes = [ptr, ctypes.c_int, long, long, ptr, ctypes.c_int]
+            packed_bytes.argtypes = [ctypes.c_int, long, long]
+            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_gguf, _fn_pack = lib, fns, layer, gguf, (pack, packed_bytes)
     return True
 
 
@@ -235,6 +241,7 @@ def _kernel(fn, x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tenso
 GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type ids
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}  # super-blocks of 256 weights: a row's length a multiple of 256
 GGUF_KIND = 100  # the C layer's weight kind for them: GGUF_KIND + the type id
+PACKED = 100  # the kernel's type id for interleaved rows: PACKED + the type id
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,28 @@ class GGUFWeights:
     blocks: torch.Tensor  # [N, D / 32 * block bytes] uint8
     type: str
     shape: tuple[int, int]  # (N, D)
+    interleaved: torch.Tensor | None = None  # the same weights, 16 rows interleaved (packed()): what gguf_linear reads
+
+    def packed(self) -> "GGUFWeights":
+        """These weights with 16 rows interleaved for the kernel (its own model: a verify's extra positions cost about
+        a third); themselves where the type is not packed (Q8_0) or the kernel is not loaded."""
+        if self.interleaved is not None or not gguf_usable(self) or _fn_pack is None:
+            return self
+        pack, packed_bytes = _fn_pack
+        size = packed_bytes(GGUF_TYPES[self.type], *self.shape)
+        if size == 0:
+            return self
+        out = torch.empty(size, dtype=torch.uint8)
+        blocks = self.blocks.contiguous()
+        if pack(blocks.data_ptr(), GGUF_TYPES[self.type], *self.shape, out.data_ptr(), torch.get_num_threads()) != 0:
+            raise ValueError(f"gguf_pack refused {self.type} {self.shape}")
+        return GGUFWeights(self.blocks, self.type, self.shape, out)
+
+    def kernel_operand(self) -> tuple[torch.Tensor, int]:
+        """What the kernel reads and the type id it reads it as."""
+        if self.interleaved is not None:
+            return self.interleaved, PACKED + GGUF_TYPES[self.type]
+        return self.blocks.contiguous(), GGUF_TYPES[self.type]
 
     @staticmethod
     def of(tensor) -> "GGUFWeights":
@@ -300,11 +329,11 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeights, reference: bool = False) -> tor
                          "K-quants) with the kernel loaded")
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [S, D]
     N, D = w.shape
-    blocks = w.blocks.contiguous()
+    data, kind = w.kernel_operand()
     out = []
     for rows in x2.split(MAX_ROWS):
         y = torch.empty(rows.shape[0], N, dtype=torch.float32)
-        if _fn_gguf(rows.data_ptr(), blocks.data_ptr(), GGUF_TYPES[w.type], y.data_ptr(), rows.shape[0], N, D,
+        if _fn_gguf(rows.data_ptr(), data.data_ptr(), kind, y.data_ptr(), rows.shape[0], N, D,
                     torch.get_num_threads(), int(reference)) != 0:
             raise ValueError(f"gguf_linear refused {w.type} [{N}, {D}] with {rows.shape[0]} rows")
         out.append(y)
@@ -348,12 +377,14 @@ def layer_weights(block, shape) -> "LayerWeights | None":
             L.w[m], L.scale[m], L.kind[m] = w.q.data_ptr(), w.scale.data_ptr(), 1
             L.tensors += [w.q, w.scale]
         elif isinstance(w, GGUFWeights) and gguf_usable(w) and w.blocks.is_contiguous():
-            L.w[m], L.kind[m] = w.blocks.data_ptr(), GGUF_KIND + GGUF_TYPES[w.type]
-            L.tensors.append(w.blocks)
+            data, kind = w.kernel_operand()
+            L.w[m], L.kind[m] = data.data_ptr(), GGUF_KIND + kind
+            L.tensors.append(data)
         elif isinstance(w, GGUFStack) and len(w.parts) <= 3 and all(gguf_usable(p) and p.blocks.is_contiguous() for p in w.parts):
             for i, part in enumerate(w.parts):
-                L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = part.blocks.data_ptr(), part.shape[0], GGUF_TYPES[part.type]
-                L.tensors.append(part.blocks)
+                data, kind = part.kernel_operand()
+                L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = data.data_ptr(), part.shape[0], kind
+                L.tensors.append(data)
         elif isinstance(w, torch.Tensor) and w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
             L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
             L.tensors.append(w)

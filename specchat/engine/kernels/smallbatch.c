@@ -206,12 +206,12 @@ struct layer {
     const void *w[4];                          /* qkv [(H + 2 Hkv) hd, D], o [D, H hd], gate_up [2 I, D], down [D, I] */
     const float *scale[4];                     /* int8 weights' scale per output row, else null */
     const float *bias[4];                      /* or null */
-    int kind[4];                               /* F32, BF16, INT8 or GGUF_KIND + a ggml type */
+    int kind[4];                               /* F32, BF16, INT8 or GGUF_KIND + a ggml type (+ PACKED: interleaved) */
     long D, H, Hkv, hd, I;
     float eps, qk_eps, attn_scale;
     /* A GGUF matrix stacked from parts of their own types (a Q4_K_M file keeps V in Q6_K beside Q4_K Q and K), read
        in place: part p of matrix m is part_rows[m][p] rows (0: no such part; none: w[m] is the matrix) of ggml type
-       part_type[m][p] at part_w[m][p]. */
+       part_type[m][p] (+ PACKED: gguf_pack's layout) at part_w[m][p]. */
     const void *part_w[4][3];
     long part_rows[4][3];
     int part_type[4][3];
@@ -923,31 +923,329 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
     gguf_rows_plain(x_d, x_sums, xq, w, type, y, ldy, S, D, n0, n1);
 }
 
-/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type`, y's rows ldy floats apart (N for a matrix of its
-   own; a stacked matrix's part writes its columns of a wider y); 1 <= S <= 16, D a multiple of 32 (of 256 for the
-   K-quants). 0, or -1 for a type or shape it does not take. */
+/* ------------------------------------------------------------------------------------------------------------
+   Rows interleaved at load time (gguf_pack, then gguf_linear_into with type PACKED + the ggml type). Why: in the
+   file's layout a row's blocks lie together, so every block's few integer products must be converted and scaled in
+   float for every position (~2 vector operations a position per 32 weights: the verify cost). Interleaved, one
+   dpbusd multiplies 16 rows by 4 weights each against 4 of x's bytes broadcast; a unit's (32 weights deep, 16 for
+   Q6_K) integer sums stay integers, and a position pays 3-4 float operations per 16 rows x 32 weights.
+   A group of 16 rows, unit by unit: the weights as unsigned integers r (the file's q plus the type's offset: Q4_0 8,
+   Q5_0 16, Q6_K 32), operand o (4 deep) as 64 bytes, byte 4 * row + i = r[row][4o + i] (the 4-bit types keep
+   operand o in the low nibbles and o + 4 in the high ones of 64 bytes); then each row's scale (16 floats) and, for
+   the types with a float offset (Q4_1, Q5_1, Q4_K, Q5_K), each row's offset (16 floats): w = scale * r + offset, or
+   w = scale * (r - k) for the integer offset k. A row's result, position by position: acc = fma(float(sum_u), scale *
+   d_x, acc) then acc = fma(offset, d_x * sum(x_q), acc) unit after unit, where sum_u is the unit's exact integer
+   sum (minus k * sum(x_q)); the SIMD paths keep 16 (8) rows in the lanes, the plain-C reference one row at a time, in
+   the same operations: the same bits whatever S, threads or path. Q8_0 (signed bytes) is not packed: AVX2's maddubs
+   could saturate on it. */
+
+#define PACKED 100   /* type PACKED + a ggml type: gguf_pack's layout */
+#define PACK_ROWS 16
+
+static inline int pack_unit(int type) { return type == GGUF_Q6_K ? 16 : 32; } /* weights deep per row scale */
+static inline int pack_nibbles(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
+static inline int pack_int_offset(int type) {
+    return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : type == GGUF_Q6_K ? 32 : 0;
+}
+static inline int packable(int type) { return block_bytes(type) && type != GGUF_Q8_0; }
+static inline long unit_weight_bytes(int type) { return (long)pack_unit(type) * PACK_ROWS / (pack_nibbles(type) ? 2 : 1); }
+static inline long unit_bytes(int type) {
+    return unit_weight_bytes(type) + PACK_ROWS * (long)sizeof(float) * (pack_int_offset(type) ? 1 : 2);
+}
+
+/* bytes gguf_pack writes for N rows of D weights; 0 for a type or shape it does not pack */
+long gguf_packed_bytes(int type, long N, long D) {
+    if (!packable(type) || D % (k_quant(type) ? 256 : QK) || N < 1) return 0;
+    return (N + PACK_ROWS - 1) / PACK_ROWS * (D / pack_unit(type)) * unit_bytes(type);
+}
+
+/* w's N rows of blocks -> out (gguf_packed_bytes of them; rows past N in the last group are zeros) */
+int gguf_pack(const unsigned char *w, int type, long N, long D, unsigned char *out, int threads) {
+    long size = gguf_packed_bytes(type, N, D);
+    if (!size) return -1;
+    memset(out, 0, size);
+    const long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), U = pack_unit(type);
+    const long units = D / U, ub = unit_bytes(type), wb = unit_weight_bytes(type);
+    const int nib = pack_nibbles(type), k = pack_int_offset(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long n = 0; n < N; n++) {
+        const unsigned char *row = w + n * row_bytes;
+        const long g = n / PACK_ROWS, r = n % PACK_ROWS;
+        for (long u0 = 0; u0 < nb; u0 += 8) {
+            int count = nb - u0 < 8 ? (int)(nb - u0) : 8;
+            float lh[16], off[8];
+            unit_scales(type, row, u0, count, lh, off);
+            for (int j = 0; j < count; j++) {
+                long b = u0 + j;
+                int q[QK];
+                decode_scalar(type, block_at(type, row, b), j, q);
+                for (int l = 0; l < QK; l++) {
+                    long depth = b * QK + l, t = depth % U;
+                    unsigned char *unit = out + (g * units + depth / U) * ub;
+                    int raw = q[l] + k, o = (int)(t / 4), i = (int)(t % 4);
+                    if (nib) unit[(o % 4) * 64 + 4 * r + i] |= (unsigned char)(raw << (4 * (o / 4)));
+                    else unit[o * 64 + 4 * r + i] = (unsigned char)raw;
+                }
+                for (int half = 0; half < 2; half++) { /* weights 0-15 and 16-31: the same unit unless U is 16 */
+                    float *f = (float *)(out + (g * units + (b * QK + 16 * half) / U) * ub + wb);
+                    f[r] = lh[2 * j + half];
+                    if (!k) f[PACK_ROWS + r] = off[j];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* x's integer sums per unit of U: isums [S, D / U] */
+static void unit_sums(const signed char *xq, long S, long D, long U, int *isums) {
+    for (long a = 0; a < S * D / U; a++) {
+        int total = 0;
+        for (long i = 0; i < U; i++) total += xq[a * U + i];
+        isums[a] = total;
+    }
+}
+
+#if defined(__AVX2__)
+/* i + the sums of products 4l..4l+3 of unsigned bytes u and signed bytes s, lane l (no saturation: u <= 63) */
+static inline __m256i dot_acc(__m256i i, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(i, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(i, u, s);
+#else
+    return _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline int four_bytes(const signed char *p) {
+    int v;
+    memcpy(&v, p, 4);
+    return v;
+}
+#endif
+
+#if GGUF_LANES == 16
+/* rows g*16..g*16+15 (groups g0..g1-1) for S positions: operands decoded once a unit, each multiplied into every
+   position's integer sums */
+static inline __attribute__((always_inline)) void packed_rows512(const float *x_d, const float *x_sums, const int *x_isums,
+                                                                 const signed char *xq, const unsigned char *p, float *y,
+                                                                 long ldy, const long S, long D, long N, long g0, long g1,
+                                                                 const int nib, const int k, const long U, const long ub) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / U, wb = U * PACK_ROWS / (nib ? 2 : 1);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (long g = g0; g < g1; g++) {
+        const unsigned char *unit = p + g * units * ub;
+        __m512 acc[S];
+        for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps();
+        for (long u = 0; u < units; u++, unit += ub) {
+            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            const long b = u * U / QK;
+            __m512i sums[S];
+            for (long s = 0; s < S; s++)
+                sums[s] = k ? _mm512_set1_epi32(-k * x_isums[s * units + u]) : _mm512_setzero_si512();
+            if (nib) {
+                for (int v = 0; v < 4; v++) {
+                    __m512i raw = _mm512_loadu_si512(unit + 64 * v);
+                    __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    for (long s = 0; s < S; s++) {
+                        const signed char *xs = xq + s * D + u * U;
+                        sums[s] = _mm512_dpbusd_epi32(sums[s], lo, _mm512_set1_epi32(four_bytes(xs + 4 * v)));
+                        sums[s] = _mm512_dpbusd_epi32(sums[s], hi, _mm512_set1_epi32(four_bytes(xs + 4 * v + 16)));
+                    }
+                }
+            } else {
+                for (int o = 0; o < U / 4; o++) {
+                    __m512i op = _mm512_loadu_si512(unit + 64 * o);
+                    for (long s = 0; s < S; s++)
+                        sums[s] = _mm512_dpbusd_epi32(sums[s], op, _mm512_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)));
+                }
+            }
+            const float *f = (const float *)(unit + wb);
+            __m512 scale = _mm512_loadu_ps(f);
+            for (long s = 0; s < S; s++) {
+                acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[s]), _mm512_mul_ps(scale, _mm512_set1_ps(x_d[s * nb + b])), acc[s]);
+                if (!k) acc[s] = _mm512_fmadd_ps(_mm512_loadu_ps(f + PACK_ROWS), _mm512_set1_ps(x_sums[s * nbp + b]), acc[s]);
+            }
+        }
+        long rows = N - g * PACK_ROWS < PACK_ROWS ? N - g * PACK_ROWS : PACK_ROWS;
+        for (long s = 0; s < S; s++) _mm512_mask_storeu_ps(y + s * ldy + g * PACK_ROWS, (__mmask16)((1u << rows) - 1), acc[s]);
+    }
+}
+#elif defined(__AVX2__)
+/* the same in two halves of 8 rows (bytes 0-31 and 32-63 of each operand) */
+static inline __attribute__((always_inline)) void packed_rows256(const float *x_d, const float *x_sums, const int *x_isums,
+                                                                 const signed char *xq, const unsigned char *p, float *y,
+                                                                 long ldy, const long S, long D, long N, long g0, long g1,
+                                                                 const int nib, const int k, const long U, const long ub) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / U, wb = U * PACK_ROWS / (nib ? 2 : 1);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (long g = g0; g < g1; g++) {
+        for (int h = 0; h < 2; h++) {
+            const unsigned char *unit = p + g * units * ub;
+            __m256 acc[S];
+            for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
+            for (long u = 0; u < units; u++, unit += ub) {
+                _mm_prefetch((const char *)unit + PREFETCH + 32 * h, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 128 + 32 * h, _MM_HINT_T0);
+                const long b = u * U / QK;
+                __m256i sums[S];
+                for (long s = 0; s < S; s++)
+                    sums[s] = k ? _mm256_set1_epi32(-k * x_isums[s * units + u]) : _mm256_setzero_si256();
+                if (nib) {
+                    for (int v = 0; v < 4; v++) {
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * v + 32 * h));
+                        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        for (long s = 0; s < S; s++) {
+                            const signed char *xs = xq + s * D + u * U;
+                            sums[s] = dot_acc(sums[s], lo, _mm256_set1_epi32(four_bytes(xs + 4 * v)));
+                            sums[s] = dot_acc(sums[s], hi, _mm256_set1_epi32(four_bytes(xs + 4 * v + 16)));
+                        }
+                    }
+                } else {
+                    for (int o = 0; o < U / 4; o++) {
+                        __m256i op = _mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h));
+                        for (long s = 0; s < S; s++)
+                            sums[s] = dot_acc(sums[s], op, _mm256_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)));
+                    }
+                }
+                const float *f = (const float *)(unit + wb) + 8 * h;
+                __m256 scale = _mm256_loadu_ps(f);
+                for (long s = 0; s < S; s++) {
+                    acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[s]), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
+                    if (!k) acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(f + PACK_ROWS), _mm256_set1_ps(x_sums[s * nbp + b]), acc[s]);
+                }
+            }
+            long rows = N - g * PACK_ROWS - 8 * h;
+            for (long s = 0; s < S; s++) {
+                float out[8];
+                _mm256_storeu_ps(out, acc[s]);
+                for (long r = 0; r < 8 && r < rows; r++) y[s * ldy + g * PACK_ROWS + 8 * h + r] = out[r];
+            }
+        }
+    }
+}
+#endif
+
+/* the same arithmetic in plain C, a row and a position at a time (the tests' reference; the path without AVX2) */
+static void packed_rows_plain(const float *x_d, const float *x_sums, const int *x_isums, const signed char *xq,
+                              const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, ub = unit_bytes(type);
+    const long wb = unit_weight_bytes(type);
+    const int nib = pack_nibbles(type), k = pack_int_offset(type);
+    for (long n = g0 * PACK_ROWS; n < g1 * PACK_ROWS && n < N; n++) {
+        const long g = n / PACK_ROWS, r = n % PACK_ROWS;
+        for (long s = 0; s < S; s++) {
+            float acc = 0.0f;
+            for (long u = 0; u < units; u++) {
+                const unsigned char *unit = p + (g * units + u) * ub;
+                const signed char *xs = xq + s * D + u * U;
+                const long b = u * U / QK;
+                int sum = -k * x_isums[s * units + u];
+                for (long t = 0; t < U; t++) {
+                    long o = t / 4, i = t % 4;
+                    int raw = nib ? (unit[(o % 4) * 64 + 4 * r + i] >> (4 * (o / 4))) & 0xf : unit[o * 64 + 4 * r + i];
+                    sum += raw * xs[t];
+                }
+                const float *f = (const float *)(unit + wb);
+                acc = fmaf((float)sum, f[r] * x_d[s * nb + b], acc);
+                if (!k) acc = fmaf(f[PACK_ROWS + r], x_sums[s * nbp + b], acc);
+            }
+            y[s * ldy + n] = acc;
+        }
+    }
+}
+
+/* groups g0..g1-1: S <= 8 positions at once (a register each for the integer and the float sums), in even chunks */
+static void packed_rows(const float *x_d, const float *x_sums, const int *x_isums, const signed char *xq,
+                        const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1,
+                        int reference) {
+#if GGUF_LANES == 16 || defined(__AVX2__)
+    if (!reference) {
+        const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / pack_unit(type);
+        const long chunk = S <= 8 ? S : (S + 1) / 2;
+        for (long s0 = 0; s0 < S; s0 += chunk) {
+            const long n = S - s0 < chunk ? S - s0 : chunk;
+            const float *d = x_d + s0 * nb, *sums = x_sums + s0 * nbp;
+            const int *is = x_isums + s0 * units;
+            const signed char *xs = xq + s0 * D;
+            float *ys = y + s0 * ldy;
+#if GGUF_LANES == 16
+#define PACKED_ROWS packed_rows512
+#else
+#define PACKED_ROWS packed_rows256
+#endif
+#define LAYOUT(nib, k, U) switch (n) { \
+            case 1: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 1, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 2: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 2, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 3: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 3, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 4: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 4, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 5: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 5, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 6: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 6, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            case 7: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 7, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
+            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; }
+            switch (type) {
+            case GGUF_Q4_1: case GGUF_Q4_K: LAYOUT(1, 0, 32) break;
+            case GGUF_Q4_0: LAYOUT(1, 8, 32) break;
+            case GGUF_Q5_1: case GGUF_Q5_K: LAYOUT(0, 0, 32) break;
+            case GGUF_Q5_0: LAYOUT(0, 16, 32) break;
+            default: LAYOUT(0, 32, 16) break; /* Q6_K */
+            }
+#undef LAYOUT
+#undef PACKED_ROWS
+        }
+        return;
+    }
+#endif
+    packed_rows_plain(x_d, x_sums, x_isums, xq, p, type, y, ldy, S, D, N, g0, g1);
+}
+
+/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type` (PACKED + type: gguf_pack's interleaved rows), y's
+   rows ldy floats apart (N for a matrix of its own; a stacked matrix's part writes its columns of a wider y);
+   1 <= S <= 16, D a multiple of 32 (of 256 for the K-quants). 0, or -1 for a type or shape it does not take. */
 int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y, long ldy, long S, long N, long D,
                      int threads, int reference) {
-    if (S < 1 || S > 16 || D % (k_quant(type) ? 256 : QK) || !block_bytes(type)) return -1;
+    const int packed = type >= PACKED, base = packed ? type - PACKED : type;
+    if (S < 1 || S > 16 || D % (k_quant(base) ? 256 : QK) || !block_bytes(base) || (packed && !packable(base))) return -1;
     long nb = D / QK;
-    signed char *xq = malloc(S * D);
-    unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
     long nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
+    signed char *xq = malloc(S * D);
     float *x_d = malloc(sizeof(float) * S * nb), *x_sums = calloc(S * nbp, sizeof(float));
-    float *x_dexp = malloc(sizeof(float) * S * nb * 8); /* each block's scale 8 times: a pair's lane scales */
-    if (!xq || !xu || !x_d || !x_sums || !x_dexp) {
-        free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
+    if (!xq || !x_d || !x_sums) {
+        free(xq), free(x_d), free(x_sums);
         return -1;
     }
     quantize_rows(x, S, D, xq, x_d, x_sums, nbp);
-    for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
-    for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
-    long chunk = 16; /* output rows per task: blocks of a few kB of weights */
+    int status = 0;
+    if (packed) {
+        long U = pack_unit(base), groups = (N + PACK_ROWS - 1) / PACK_ROWS;
+        int *x_isums = malloc(sizeof(int) * S * (D / U));
+        if (!x_isums) {
+            status = -1;
+        } else {
+            unit_sums(xq, S, D, U, x_isums);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long n0 = 0; n0 < N; n0 += chunk)
-        gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, ldy, S, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
-    free(xq), free(xu), free(x_d), free(x_sums), free(x_dexp);
-    return 0;
+            for (long g = 0; g < groups; g++)
+                packed_rows(x_d, x_sums, x_isums, xq, w, base, y, ldy, S, D, N, g, g + 1, reference);
+        }
+        free(x_isums);
+    } else {
+        unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
+        float *x_dexp = malloc(sizeof(float) * S * nb * 8); /* each block's scale 8 times: a pair's lane scales */
+        if (!xu || !x_dexp) {
+            status = -1;
+        } else {
+            for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
+            for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
+            long chunk = 16; /* output rows per task: blocks of a few kB of weights */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (long n0 = 0; n0 < N; n0 += chunk)
+                gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, ldy, S, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
+        }
+        free(xu), free(x_dexp);
+    }
+    free(xq), free(x_d), free(x_sums);
+    return status;
 }
 
 int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
