@@ -256,7 +256,7 @@ class GGUFWeights:
 
     def packed(self) -> "GGUFWeights":
         """These weights with 16 rows interleaved for the kernel (its own model: a verify's extra positions cost about
-        a third); themselves where the type is not packed (Q8_0) or the kernel is not loaded."""
+        a third); themselves where the kernel is not loaded."""
         if self.interleaved is not None or not gguf_usable(self) or _fn_pack is None:
             return self
         pack, packed_bytes = _fn_pack

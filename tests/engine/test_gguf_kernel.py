@@ -17,7 +17,7 @@ from specchat.engine.smallbatch import GGUFWeights, gguf_linear
 from specchat.models import default_gguf
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-PACKED = [t for t in TYPES if t != "Q8_0"]  # the types interleaved (Q8_0's signed bytes could saturate AVX2's maddubs)
+PACKED = TYPES  # the types interleaved
 LAYOUTS = ["file", "interleaved"]
 SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where a K-quant super-block keeps its float16 scales
 

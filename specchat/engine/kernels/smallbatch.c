@@ -936,8 +936,9 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
    w = scale * (r - k) for the integer offset k. A row's result, position by position: acc = fma(float(sum_u), scale *
    d_x, acc) then acc = fma(offset, d_x * sum(x_q), acc) unit after unit, where sum_u is the unit's exact integer
    sum (minus k * sum(x_q)); the SIMD paths keep 16 (8) rows in the lanes, the plain-C reference one row at a time, in
-   the same operations: the same bits whatever S, threads or path. Q8_0 (signed bytes) is not packed: AVX2's maddubs
-   could saturate on it. */
+   the same operations: the same bits whatever S, threads or path. Q8_0 is stored as q + 128 with k = 128; AVX2
+   without VNNI multiplies its signed q instead (|q| times x with q's sign: maddubs would saturate on q + 128): the
+   same integers. */
 
 #define PACKED 100   /* type PACKED + a ggml type: gguf_pack's layout */
 #define PACK_ROWS 16
@@ -945,9 +946,9 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 static inline int pack_unit(int type) { return type == GGUF_Q6_K ? 16 : 32; } /* weights deep per row scale */
 static inline int pack_nibbles(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
 static inline int pack_int_offset(int type) {
-    return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : type == GGUF_Q6_K ? 32 : 0;
+    return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : type == GGUF_Q6_K ? 32 : type == GGUF_Q8_0 ? 128 : 0;
 }
-static inline int packable(int type) { return block_bytes(type) && type != GGUF_Q8_0; }
+static inline int packable(int type) { return block_bytes(type) != 0; }
 static inline long unit_weight_bytes(int type) { return (long)pack_unit(type) * PACK_ROWS / (pack_nibbles(type) ? 2 : 1); }
 static inline long unit_bytes(int type) {
     return unit_weight_bytes(type) + PACK_ROWS * (long)sizeof(float) * (pack_int_offset(type) ? 1 : 2);
@@ -1017,6 +1018,12 @@ static inline __m256i dot_acc(__m256i i, __m256i u, __m256i s) {
     return _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define SIGNED_BYTES 0 /* dpbusd takes Q8_0's q + 128 as it is */
+#else
+#define SIGNED_BYTES 1
+#endif
 
 static inline int four_bytes(const signed char *p) {
     int v;
@@ -1100,6 +1107,16 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                             const signed char *xs = xq + s * D + u * U;
                             sums[s] = dot_acc(sums[s], lo, _mm256_set1_epi32(four_bytes(xs + 4 * v)));
                             sums[s] = dot_acc(sums[s], hi, _mm256_set1_epi32(four_bytes(xs + 4 * v + 16)));
+                        }
+                    }
+                } else if (SIGNED_BYTES && k == 128) { /* Q8_0 without VNNI: q = r - 128 times x, from sums of 0 */
+                    for (long s = 0; s < S; s++) sums[s] = _mm256_setzero_si256();
+                    for (int o = 0; o < U / 4; o++) {
+                        __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h)), _mm256_set1_epi8((char)0x80));
+                        __m256i size = _mm256_sign_epi8(q, q);
+                        for (long s = 0; s < S; s++) {
+                            __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)), q);
+                            sums[s] = _mm256_add_epi32(sums[s], _mm256_madd_epi16(_mm256_maddubs_epi16(size, xs), _mm256_set1_epi16(1)));
                         }
                     }
                 } else {
@@ -1189,6 +1206,7 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
             case GGUF_Q4_0: LAYOUT(1, 8, 32) break;
             case GGUF_Q5_1: case GGUF_Q5_K: LAYOUT(0, 0, 32) break;
             case GGUF_Q5_0: LAYOUT(0, 16, 32) break;
+            case GGUF_Q8_0: LAYOUT(0, 128, 32) break;
             default: LAYOUT(0, 32, 16) break; /* Q6_K */
             }
 #undef LAYOUT
