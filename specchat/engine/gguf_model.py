@@ -10,6 +10,7 @@ does not take) is refused in one line (`Unreadable`) and keeps the other engines
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import warnings
 from pathlib import Path
 
@@ -38,7 +39,17 @@ class GGUFFile:
         self.interleaved = interleaved
         self.header = gguf_header.read(self.path)
         self.arch = self.header.metadata.get("general.architecture")
-        self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self.map, dtype=np.uint8)
+
+    def release(self, offset: int, size: int) -> None:
+        """Drop the file's pages in [offset, offset + size) from this process's memory (they stay in the page cache,
+        and come back if read again)."""
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def meta(self, key: str, default=None):
         """The architecture's own key (`block_count` -> `qwen2.block_count`)."""
@@ -77,14 +88,20 @@ class GGUFFile:
             block, nbytes = _quant_size(info.type)
             if d % block:
                 raise Unreadable(f"{self.path.name}: {name}'s rows of {d} are not whole {kind} blocks")
-            w = smallbatch.GGUFWeights(_tensor(self.data[info.offset : info.offset + n * d // block * nbytes].reshape(n, -1)), kind, (n, d))
+            size = n * d // block * nbytes
+            w = smallbatch.GGUFWeights(_tensor(self.data[info.offset : info.offset + size].reshape(n, -1)), kind, (n, d))
             if not smallbatch.gguf_usable(w):
                 raise Unreadable(f"the C kernel that multiplies {kind} blocks is not loaded (no C compiler?)")
+            if self.interleaved:
+                w = _unpermute(w, heads) if heads and self.arch == "llama" else w
+                packed = w.packed()
+                self.release(info.offset, size)  # the kernel reads the copy; an embedding lookup pages rows back in
+                return packed
         else:
             raise Unreadable(f"{self.path.name}: {name} is {kind}; the lean runner reads {', '.join(smallbatch.GGUF_TYPES)}, F32 and F16")
         if heads and self.arch == "llama":
             w = _unpermute(w, heads)
-        return w.packed() if self.interleaved and isinstance(w, smallbatch.GGUFWeights) else w
+        return w
 
 
 def type_name(kind: int) -> str:

@@ -5,6 +5,7 @@ row, however many threads, and in the SIMD path as in plain C."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import gguf
@@ -156,6 +157,35 @@ def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(
         assert (error <= rounding_bound(x, w.float()) + 1e-4).all()
         if w.interleaved is not None:  # one float operation after another, row by row: the same bits on any CPU
             assert torch.equal(out[0, 5], gguf_linear(x, w)), kind
+
+
+@pytest.mark.slow
+def test_a_build_without_simd_packs_the_same_bytes_and_multiplies_them_to_the_same_bits(tmp_path):
+    """The plain-C build (a CPU with neither AVX2 nor AVX-512, an ARM Mac): its gguf_pack decodes block by block in
+    C, this machine's with SIMD; the interleaved layout and its products must not depend on which."""
+    import ctypes
+    import subprocess
+
+    cc = smallbatch._compiler()
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("no C compiler, or not an x86 machine")
+    lib_path = tmp_path / "plain.so"
+    subprocess.run([cc, "-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-o", str(lib_path), str(smallbatch.SOURCE)],
+                   check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.gguf_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    for kind in PACKED:
+        w = quantised(kind, n=40, d=512, seed=7)
+        native = w.packed()
+        plain = torch.empty_like(native.interleaved)
+        assert lib.gguf_pack(w.blocks.data_ptr(), smallbatch.GGUF_TYPES[kind], 40, w.shape[1], plain.data_ptr(), 2) == 0
+        assert torch.equal(plain, native.interleaved), kind
+        x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(7))
+        y = torch.empty(5, 40)
+        _, code = native.kernel_operand()
+        assert lib.gguf_linear(x.data_ptr(), plain.data_ptr(), code, y.data_ptr(), 5, 40, w.shape[1], 2, 0) == 0
+        assert torch.equal(y, gguf_linear(x, native)), kind
 
 
 # ---------------------------------------------------------------- the lean runner on the file's own blocks

@@ -968,29 +968,45 @@ int gguf_pack(const unsigned char *w, int type, long N, long D, unsigned char *o
     const long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), U = pack_unit(type);
     const long units = D / U, ub = unit_bytes(type), wb = unit_weight_bytes(type);
     const int nib = pack_nibbles(type), k = pack_int_offset(type);
+    const long groups = (N + PACK_ROWS - 1) / PACK_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long n = 0; n < N; n++) {
-        const unsigned char *row = w + n * row_bytes;
-        const long g = n / PACK_ROWS, r = n % PACK_ROWS;
+    for (long g = 0; g < groups; g++) {
+        const long rows = N - g * PACK_ROWS < PACK_ROWS ? N - g * PACK_ROWS : PACK_ROWS;
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int count = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            float lh[16], off[8];
-            unit_scales(type, row, u0, count, lh, off);
+            float lh[PACK_ROWS][16], off[PACK_ROWS][8];
+            for (long r = 0; r < rows; r++) unit_scales(type, w + (g * PACK_ROWS + r) * row_bytes, u0, count, lh[r], off[r]);
             for (int j = 0; j < count; j++) {
-                long b = u0 + j;
-                int q[QK];
-                decode_scalar(type, block_at(type, row, b), j, q);
-                for (int l = 0; l < QK; l++) {
-                    long depth = b * QK + l, t = depth % U;
-                    unsigned char *unit = out + (g * units + depth / U) * ub;
-                    int raw = q[l] + k, o = (int)(t / 4), i = (int)(t % 4);
-                    if (nib) unit[(o % 4) * 64 + 4 * r + i] |= (unsigned char)(raw << (4 * (o / 4)));
-                    else unit[o * 64 + 4 * r + i] = (unsigned char)raw;
+                const long b = u0 + j;
+                unsigned int words[PACK_ROWS][8] = {{0}}; /* row r's 32 integers r as bytes, four to a word */
+                for (long r = 0; r < rows; r++) {
+                    const unsigned char *block = block_at(type, w + (g * PACK_ROWS + r) * row_bytes, b);
+#if defined(__AVX2__)
+                    _mm256_storeu_si256((__m256i *)words[r], _mm256_add_epi8(decode_simd(type, block, j), _mm256_set1_epi8((char)k)));
+#else
+                    unsigned char q[QK];
+                    int ints[QK];
+                    decode_scalar(type, block, j, ints);
+                    for (int l = 0; l < QK; l++) q[l] = (unsigned char)(ints[l] + k);
+                    memcpy(words[r], q, QK);
+#endif
                 }
-                for (int half = 0; half < 2; half++) { /* weights 0-15 and 16-31: the same unit unless U is 16 */
-                    float *f = (float *)(out + (g * units + (b * QK + 16 * half) / U) * ub + wb);
-                    f[r] = lh[2 * j + half];
-                    if (!k) f[PACK_ROWS + r] = off[j];
+                for (int word = 0; word < 8; word++) { /* weights 4 word .. 4 word + 3: operand word % (U / 4) */
+                    long first = b * QK + 4 * word;
+                    unsigned char *unit = out + (g * units + first / U) * ub;
+                    unsigned int *operand = (unsigned int *)unit + (first % U) / 4 * PACK_ROWS;
+                    if (!nib) {
+                        for (long r = 0; r < rows; r++) operand[r] = words[r][word];
+                    } else if (word < 4) { /* operand word in the low nibbles, word + 4 in the high ones */
+                        for (long r = 0; r < rows; r++) operand[r] = words[r][word] | words[r][word + 4] << 4;
+                    }
+                    if (word % 4 == 0) { /* a unit's first operand: its scales (weights 0-15 and 16-31: one unit unless U is 16) */
+                        float *f = (float *)(unit + wb);
+                        for (long r = 0; r < rows; r++) {
+                            f[r] = lh[r][2 * j + word / 4];
+                            if (!k) f[PACK_ROWS + r] = off[r][j];
+                        }
+                    }
                 }
             }
         }
