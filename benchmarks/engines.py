@@ -1,9 +1,11 @@
 """The engines side by side on one GGUF file: llama.cpp's own plain decoding, specchat on the llama.cpp engine (off,
-auto, draft), specchat on the torch engine (off, or --torch-modes), and optionally llama.cpp's `llama-bench` and `llama-speculative`.
+auto, draft), on the lean engine (--lean-modes: the file read in place by specchat's kernel), on the torch engine (off,
+or --torch-modes), and optionally llama.cpp's `llama-bench` and `llama-speculative`.
 One process, every configuration interleaved per prompt and repetition, greedy unless --temperature says otherwise.
 
     python benchmarks/engines.py [--target FILE.gguf] [--draft FILE.gguf] [--prompts benchmarks/heldout-prompts.jsonl]
         [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch | --torch-modes off,quant,auto]
+        [--lean-modes off,auto,draft]
         [--llama-bench PATH] [--llama-speculative PATH]
 
 "llama.cpp plain" is the reference every ratio is taken against: a Python loop that feeds one token per llama_decode
@@ -13,7 +15,8 @@ per-prompt paired ratios against llama.cpp plain of the same prompt and repetiti
 average is printed before and after: on the 2-core machine a busy neighbour halves everything. Greedy outputs
 are compared token for token with llama.cpp plain (a prompt prefilled whole) and with specchat's mode off on
 llama.cpp (which, like every session here, reuses the cached prefix of the previous prompt: a prefill split
-differently rounds differently, so only the second comparison isolates what speculation changes).
+differently rounds differently, so only the second comparison isolates what speculation changes); the lean engine's
+modes are compared with its own mode off (another model: its kernel rounds as llama.cpp's does not).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def main() -> None:
     ap.add_argument("--modes", default="off,auto")
     ap.add_argument("--no-torch", action="store_true", help="leave out specchat on the torch engine")
     ap.add_argument("--torch-modes", default="off", help="the modes specchat runs on the torch engine too (greedy)")
+    ap.add_argument("--lean-modes", default="", help="the modes specchat runs on the lean engine too (every temperature)")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     ap.add_argument("--llama-speculative", default=None, help="path of llama.cpp's llama-speculative binary (needs --draft)")
     args = ap.parse_args()
@@ -108,6 +112,9 @@ def main() -> None:
     text = {p["name"]: target.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
                                                             tokenize=False) for p in prompts}
 
+    if args.lean_modes:  # the same files read in place by specchat's kernel (interleaved once at load)
+        lean_target = load_model(args.target, cpu, torch.float32, engine="lean")
+        lean_draft = load_model(args.draft, cpu, torch.float32, engine="lean") if args.draft else None
     temperatures = [float(t) for t in args.temperature.split(",")]
     sessions: dict[str, Session] = {}
     for t in temperatures:
@@ -116,6 +123,11 @@ def main() -> None:
             if mode == "draft" and draft is None:
                 continue
             sessions[f"llama.cpp {mode} T={t:g}"] = Session(target, draft, mode=mode, k=args.k, sampling=params, seed=0)
+        if args.lean_modes:
+            for mode in args.lean_modes.split(","):
+                if mode == "draft" and lean_draft is None:
+                    continue
+                sessions[f"lean {mode} T={t:g}"] = Session(lean_target, lean_draft, mode=mode, k=args.k, sampling=params, seed=0)
         if not args.no_torch and t == 0:
             torch_target = load_model(args.target, cpu, torch.float32)
             for mode in args.torch_modes.split(","):
@@ -152,8 +164,9 @@ def main() -> None:
                 if name.endswith("T=0"):
                     same[name].append(out == plain_ids[: len(out)])
             for name in sessions:
-                if name.endswith("T=0") and "llama.cpp off T=0" in outputs:
-                    same_off[name].append(outputs[name] == outputs["llama.cpp off T=0"])
+                off = "lean off T=0" if name.startswith("lean") else "llama.cpp off T=0"
+                if name.endswith("T=0") and off in outputs:
+                    same_off[name].append(outputs[name] == outputs[off])
             if args.llama_bench:
                 rate = tool_tok_s([args.llama_bench, "-m", str(path), "-t", str(n_threads), "-p", "0", "-n", str(args.tokens),
                                    "-r", "1", "-o", "json"])

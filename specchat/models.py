@@ -32,7 +32,8 @@ class LoadedModel:
 
     @property
     def engine(self) -> str:
-        """"torch" or "llama.cpp" (a GGUF file run by llama.cpp: engine/llamacpp.py)."""
+        """"torch", "llama.cpp" (a GGUF file run by llama.cpp: engine/llamacpp.py) or "lean" (a GGUF file on the lean
+        runner's kernel: engine/gguf_model.py)."""
         return getattr(self.model, "engine", "torch")
 
     @property
@@ -42,14 +43,14 @@ class LoadedModel:
 
     @property
     def context_len(self) -> int | None:
-        if self.engine == "llama.cpp":
+        if self.engine != "torch":
             return self.model.context_len
         return getattr(self.model.config, "max_position_embeddings", None)
 
     @property
     def eos_ids(self) -> set[int]:
         """Every id that ends a reply: the generation config's (one or a list) or the GGUF file's, and the tokenizer's."""
-        if self.engine == "llama.cpp":
+        if self.engine != "torch":
             ids = set(self.model.eos_ids)
         else:
             config = self.model.generation_config
@@ -223,7 +224,7 @@ def gguf_bits_per_weight(file_type: str | None) -> float | None:
 
 # ---------------------------------------------------------------- the llama.cpp engine
 
-ENGINES = ("auto", "torch", "llama.cpp")
+ENGINES = ("auto", "torch", "llama.cpp", "lean")
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36"
 
 
@@ -239,6 +240,12 @@ def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | 
         raise ModelError(f"unknown engine {name!r}; choose {', '.join(ENGINES)}")
     if name == "torch":
         return "torch"
+    if name == "lean":
+        if not is_gguf(spec) or (draft is not None and not is_gguf(draft)):
+            raise ModelError(f"--engine lean runs .gguf files; {spec if not is_gguf(spec) else draft} is not one (use --engine torch)")
+        if device.type != "cpu":
+            raise ModelError(f"--engine lean runs on the CPU; the device is {device} (use --engine torch)")
+        return "lean"
     from specchat.engine import llamacpp
 
     files = is_gguf(spec) and (draft is None or is_gguf(draft))
@@ -288,6 +295,25 @@ def gguf_tokenizer(path: Path):
         tokenizer.save_pretrained(tmp)
     record_source(_cache_name(path), path)
     return tokenizer
+
+
+def load_lean(spec: str | None, tokenizer=None) -> LoadedModel:
+    """A GGUF file (no spec: the default model's) on the lean runner, read in place (its matrices interleaved once:
+    gguf_model.LeanModel), with its tokenizer."""
+    from specchat.engine import smallbatch
+    from specchat.engine.gguf_model import LeanModel, Unreadable
+
+    path = default_gguf() if spec is None else Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelError(f"GGUF file not found: {path}")
+    if not smallbatch.load(cache_dir() / "kernels"):
+        raise ModelError("--engine lean needs specchat's C kernel, which cannot be built here (no C compiler?); use --engine llama.cpp")
+    tokenizer = gguf_tokenizer(path) if tokenizer is None else tokenizer
+    try:
+        model = LeanModel(path)
+    except (Unreadable, ValueError) as e:
+        raise ModelError(f"{e} (--engine llama.cpp reads more of GGUF)") from e
+    return LoadedModel(model, tokenizer, DEFAULT_MODEL_NAME if spec is None else spec)
 
 
 def load_gguf(spec: str | None, tokenizer=None) -> LoadedModel:
@@ -390,6 +416,8 @@ def load_model(
     `tokenizer`: the model's, if load_tokenizer already read it (comparing target and draft first)."""
     if engine == "llama.cpp":
         return load_gguf(spec, tokenizer)
+    if engine == "lean":
+        return load_lean(spec, tokenizer)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -433,7 +461,7 @@ def load_model(
 def weights_id(model) -> str:
     """Which weights these are, wherever they were loaded from (what auto's learnt rates are kept under): a GGUF
     file's size and first MiB (its metadata and first tensors); a torch model's head.fingerprint."""
-    if getattr(model, "engine", "torch") == "llama.cpp":
+    if getattr(model, "engine", "torch") in ("llama.cpp", "lean"):
         path = Path(model.path)
         with open(path, "rb") as f:
             return hashlib.sha1(f.read(1 << 20) + str(path.stat().st_size).encode()).hexdigest()[:16]

@@ -20,6 +20,7 @@ from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.drafters.head import fingerprint
 from specchat.engine.events import RoundRecord
+from specchat.engine.gguf_model import on_lean
 from specchat.engine.info import EngineInfo
 from specchat import repack_probe
 from specchat.engine.llamacpp import EngineError, on_llama_cpp, target_state
@@ -50,6 +51,8 @@ def drafter_options(model, mode: str, options: dict) -> dict:
                 out["quant_gguf"] = str(models.quantized_gguf(model.path, draft_type))
             except EngineError as e:  # the drafter's build then says quant is unavailable (auto: not a candidate)
                 log.warning("no %s copy of %s for mode quant: %s", draft_type, model.path.name, e)
+        return out
+    if on_lean(model):  # the modes a GGUF file on the lean runner takes (off, suffix, lookup, draft) need no settings saved
         return out
     setting = TUNABLE.get(mode)
     if setting is not None and out.get(setting) is None:

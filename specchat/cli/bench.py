@@ -233,8 +233,8 @@ def bench(**params):
     from specchat.bench import report, runner
 
     console = Console(stderr=True)
-    if options.models.engine == "llama.cpp":  # its quality checks score the target's outputs with torch
-        raise BadOption("bench runs on the torch engine; benchmarks/engines.py measures the llama.cpp engine's modes")
+    if options.models.engine in ("llama.cpp", "lean"):  # its quality checks score the target's outputs with torch
+        raise BadOption(f"bench runs on the torch engine; benchmarks/engines.py measures the {options.models.engine} engine's modes")
     options = replace(options, models=replace(options.models, engine="torch"))
     preflight(options)
     with user_errors():

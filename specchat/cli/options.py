@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from specchat import threads
 from specchat.engine import gguf_header
-from specchat.engine.errors import TORCH_ONLY
+from specchat.engine.errors import NOT_ON_LEAN, TORCH_ONLY
 from specchat.engine.sampling_params import SamplingParams
 from specchat.modes import MODES
 
@@ -298,8 +298,10 @@ def _model_options(f, *, draft: bool):
                           "Without it such a start asks [y/N] (the chat: a dialog); declining exits with status 1, nothing "
                           "converted; with no terminal to ask, it exits with status 2. `specchat cache` lists and removes what was written."),
         click.option("--device", default=ModelOptions.device, show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
-        *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp"]), default=ModelOptions.engine, show_default=True,
-                        help="What runs the models: llama.cpp (GGUF files on the CPU) or torch. auto: llama.cpp for a .gguf target on the CPU when llama-cpp-python is installed.")]
+        *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp", "lean"]), default=ModelOptions.engine, show_default=True,
+                        help="What runs the models: llama.cpp (GGUF files on the CPU), lean (GGUF files on the CPU, read in place by specchat's own "
+                             "kernel: modes off, suffix, lookup, draft, auto) or torch. auto: llama.cpp for a .gguf target on the CPU when "
+                             "llama-cpp-python is installed.")]
           if draft else []),
         click.option("--dtype", default=ModelOptions.dtype, show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
@@ -397,14 +399,18 @@ def preflight(options: Options) -> None:
         raise BadOption(f"--engine llama.cpp runs on the CPU; the device is {models.device} (use --engine torch)")
     if models.engine == "llama.cpp" and mode in TORCH_ONLY:
         raise BadOption(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
+    if models.engine == "lean" and models.device not in ("auto", "cpu"):
+        raise BadOption(f"--engine lean runs on the CPU; the device is {models.device} (use --engine torch)")
+    if models.engine == "lean" and mode in NOT_ON_LEAN:
+        raise BadOption(f"mode {mode!r} builds on transformers' modules: it runs on --engine torch (or llama.cpp), not yet on --engine lean")
     for flag in ("target", "draft"):
         spec = getattr(models, flag)
         if spec is None:
             continue
         path = Path(spec).expanduser()
-        if models.engine == "llama.cpp" and path.suffix != ".gguf":
-            raise BadOption(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
-                            f"the target runs on llama.cpp, so the draft must be a .gguf file too, not {spec} (or use --engine torch)")
+        if models.engine in ("llama.cpp", "lean") and path.suffix != ".gguf":
+            raise BadOption(f"--engine {models.engine} runs .gguf files; {spec} is not one (use --engine torch)" if flag == "target" else
+                            f"the target runs on {models.engine}, so the draft must be a .gguf file too, not {spec} (or use --engine torch)")
         if path.suffix == ".gguf" and not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
         if path.suffix == ".gguf" and (problem := gguf_header.problem(path)):  # not GGUF, or cut short: before a loader chokes

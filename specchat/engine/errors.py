@@ -13,3 +13,6 @@ TORCH_ONLY = {
     "lowrank": "factors the target's matrices in torch, which llama.cpp's quantised weights are not",
     "head": "drafts from the target's last-layer features before the final norm; llama.cpp hands out only the normed output",
 }
+
+# the modes a GGUF file on the lean engine (--engine lean) cannot run yet: they build on transformers' modules
+NOT_ON_LEAN = ("layerskip", "earlyexit", "lowrank", "quant", "head")

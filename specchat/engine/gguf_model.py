@@ -218,3 +218,30 @@ def with_file_blocks(runner: Runner, path: str | Path, interleaved: bool = True)
                                           down_w=down or b.down_w))
     head = rows("output.weight") or rows("token_embd.weight") or runner.head_w  # tied: the embedding's blocks
     return runner.with_matrices(blocks, head)
+
+
+class LeanModel:
+    """A GGUF file on the lean runner (engine "lean"): the runner on its interleaved blocks and what the session
+    reads of a model (the file's type, context length, end-of-generation ids); no HF model behind it."""
+
+    engine = "lean"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.runner = load_runner(self.path)
+        header = gguf_header.read(self.path)
+        metadata = header.metadata
+        self.arch = metadata.get("general.architecture")
+        self.dtype = header.file_type or "GGUF"
+        self.context_len = int(metadata.get(f"{self.arch}.context_length", 4096))
+        self.eos_ids = {int(metadata[key]) for key in EOG_KEYS if key in metadata}
+        self.vocab_size = self.runner.vocab_size
+        self.device = torch.device("cpu")
+
+
+def on_lean(model) -> bool:
+    """Whether `model` is a LeanModel (a GGUF file on the lean runner) rather than a torch module."""
+    return getattr(model, "engine", "torch") == "lean"
+
+
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

@@ -232,7 +232,10 @@ def quantize(source: Path, dest: Path, file_type: str) -> None:
 
 
 def target_state(model, runner: str = "auto") -> CachedTarget:
-    """The Target for `model`: llama.cpp's for a GGUF model it loaded, else torch's with `runner` (auto, lean or hf)."""
+    """The Target for `model`: llama.cpp's for a GGUF model it loaded, the lean runner's for a GGUF file read in place
+    (gguf_model.LeanModel), else torch's with `runner` (auto, lean or hf)."""
     if on_llama_cpp(model):
         return LlamaTargetState(model)
+    if getattr(model, "engine", "torch") == "lean":
+        return TargetState.on_runner(model.runner, model.context_len)
     return TargetState(model, runner)

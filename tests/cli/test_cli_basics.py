@@ -94,6 +94,7 @@ BAD_INPUTS = {
     "unknown engine": (["--engine", "vllm"], "engine"),
     "llama.cpp on a directory": (["--engine", "llama.cpp", "--target", "./no/such/dir"], "runs .gguf files"),
     "llama.cpp with a draft that is not GGUF": (["--engine", "llama.cpp", "--draft", "./no/such/dir"], "the draft must be a .gguf file"),
+    "lean on a directory": (["--engine", "lean", "--target", "./no/such/dir"], "runs .gguf files"),
 }
 
 
@@ -158,9 +159,12 @@ OPTIONS_THAT_CLASH = {
     "system with raw": ["generate", "--prompt", "hi", "--raw", "--system", "be brief"],
     "llama.cpp off the CPU": ["generate", "--prompt", "hi", "--engine", "llama.cpp", "--device", "cuda"],
     "llama.cpp with a torch-only mode": ["generate", "--prompt", "hi", "--engine", "llama.cpp", "--mode", "layerskip"],
+    "lean off the CPU": ["generate", "--prompt", "hi", "--engine", "lean", "--device", "cuda"],
+    "lean with a mode built on transformers' modules": ["generate", "--prompt", "hi", "--engine", "lean", "--mode", "quant"],
     "verify without a mode": ["verify"],
     "bench's draft mode without draft": ["bench", "--modes", "draft"],
     "bench on llama.cpp": ["bench", "--engine", "llama.cpp", "--modes", "off"],
+    "bench on lean": ["bench", "--engine", "lean", "--modes", "off"],
 }
 
 

@@ -13,7 +13,8 @@ from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
 from specchat.engine.drafters.suffix import SuffixDrafter
-from specchat.engine.errors import TORCH_ONLY, ModeUnavailable
+from specchat.engine.errors import NOT_ON_LEAN, TORCH_ONLY, ModeUnavailable
+from specchat.engine.gguf_model import on_lean
 from specchat.engine.llamacpp import on_llama_cpp
 
 # mode -> drafter class; each has `build(target, draft, **options)`
@@ -47,6 +48,13 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
         raise ModeUnavailable(f"mode {mode!r} needs the torch engine (--engine torch): it {TORCH_ONLY[mode]}")
     if on_llama_cpp(target) and mode in ("draft", "quant"):  # a GGUF file on a llama.cpp context of its own
         return GGUFDrafter.build(mode, target, draft, **options)
+    if on_lean(target) and mode in NOT_ON_LEAN:
+        raise ModeUnavailable(f"mode {mode!r} builds on transformers' modules: it runs on --engine torch (or llama.cpp), "
+                              f"not yet on --engine lean")
+    if mode == "draft" and draft is not None and on_lean(target) != on_lean(draft):
+        raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on --engine lean")
+    if mode == "draft" and draft is not None and on_lean(draft):  # a GGUF file read in place too
+        return ModelDrafter.on_runner(draft.runner)
     if mode == "draft" and draft is not None and on_llama_cpp(draft):
         raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
     if mode == "auto":  # built from the other modes' drafters
