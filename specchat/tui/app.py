@@ -176,6 +176,10 @@ class SpecChatApp(App):
             from specchat.engine.drafters import TORCH_ONLY
 
             self.unavailable.update({mode: f"needs the torch engine (--engine torch): it {why}" for mode, why in TORCH_ONLY.items()})
+        if session.info.engine == "lean":
+            from specchat.engine.errors import NOT_ON_LEAN
+
+            self.unavailable.update({mode: "builds on transformers' modules: --engine torch (or llama.cpp) runs it" for mode in NOT_ON_LEAN})
         try:  # the panel's speedups compare against plain rounds measured in-band, under the same load
             session.measure_baseline()
         except ModeUnavailable:
@@ -198,7 +202,7 @@ class SpecChatApp(App):
         if info.remote:
             label = info.server.label
             return f"{label} · {shorten(info.server.url, max(12, room - len(label) - len(sampling) - 6))} · {sampling}"
-        kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp"}.get(info.kernel)
+        kernel = {"fused": "fused kernel", "llama.cpp": "llama.cpp", "blocks": "lean"}.get(info.kernel)
         # a GGUF file's name without its suffix: the type (Q4_K_M) says it
         names = [Path(m.name).name.removesuffix(".gguf") for m in (session.target, session.draft) if m is not None]
         where = " ".join(x for x in (info.device, info.dtype, kernel) if x)
