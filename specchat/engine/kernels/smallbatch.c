@@ -930,15 +930,16 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
    dpbusd multiplies 16 rows by 4 weights each against 4 of x's bytes broadcast; a unit's (32 weights deep, 16 for
    Q6_K) integer sums stay integers, and a position pays 3-4 float operations per 16 rows x 32 weights.
    A group of 16 rows, unit by unit: the weights as unsigned integers r (the file's q plus the type's offset: Q4_0 8,
-   Q5_0 16, Q6_K 32), operand o (4 deep) as 64 bytes, byte 4 * row + i = r[row][4o + i] (the 4-bit types keep
-   operand o in the low nibbles and o + 4 in the high ones of 64 bytes); then each row's scale (16 floats) and, for
-   the types with a float offset (Q4_1, Q5_1, Q4_K, Q5_K), each row's offset (16 floats): w = scale * r + offset, or
-   w = scale * (r - k) for the integer offset k. A row's result, position by position: acc = fma(float(sum_u), scale *
-   d_x, acc) then acc = fma(offset, d_x * sum(x_q), acc) unit after unit, where sum_u is the unit's exact integer
-   sum (minus k * sum(x_q)); the SIMD paths keep 16 (8) rows in the lanes, the plain-C reference one row at a time, in
-   the same operations: the same bits whatever S, threads or path. Q8_0 is stored as q + 128 with k = 128; AVX2
-   without VNNI multiplies its signed q instead (|q| times x with q's sign: maddubs would saturate on q + 128): the
-   same integers. */
+   Q5_0 16, Q6_K 32, Q8_0 128), operand o (4 deep) as 64 bytes, byte 4 * row + i = r[row][4o + i] (the 4-bit types
+   keep operand o in the low nibbles and o + 4 in the high ones of 64 bytes); then the unit's scales, as compact as
+   the file's and exactly its values: the 32-weight types' float16 scale (and offset) for each row; the K-quants'
+   integer sub-block scale (and min) for each row, with each row's float16 d (and dmin) once per super-block, ahead
+   of its units; scale = d * sc and offset = -(dmin * m) are products exact in float32. w = scale * r + offset (Q4_1,
+   Q5_1, Q4_K, Q5_K), or w = scale * (r - k) for the integer offset k. A row's result, position by position:
+   acc = fma(float(sum_u), scale * d_x, acc) then acc = fma(offset, d_x * sum(x_q), acc) unit after unit, where sum_u
+   is the unit's exact integer sum (minus k * sum(x_q)); the SIMD paths keep 16 (8) rows in the lanes, the plain-C
+   reference one row at a time, in the same operations: the same bits whatever S, threads or path. AVX2 without VNNI
+   multiplies Q8_0's signed q (|q| times x with q's sign: maddubs would saturate on q + 128): the same integers. */
 
 #define PACKED 100   /* type PACKED + a ggml type: gguf_pack's layout */
 #define PACK_ROWS 16
@@ -950,14 +951,27 @@ static inline int pack_int_offset(int type) {
 }
 static inline int packable(int type) { return block_bytes(type) != 0; }
 static inline long unit_weight_bytes(int type) { return (long)pack_unit(type) * PACK_ROWS / (pack_nibbles(type) ? 2 : 1); }
+/* a unit's bytes: its weights, then per row a float16 scale (and offset), or the K-quants' sc (and m) bytes */
 static inline long unit_bytes(int type) {
-    return unit_weight_bytes(type) + PACK_ROWS * (long)sizeof(float) * (pack_int_offset(type) ? 1 : 2);
+    long per_row = k_quant(type) ? (type == GGUF_Q6_K ? 1 : 2) : (pack_int_offset(type) ? 2 : 4);
+    return unit_weight_bytes(type) + PACK_ROWS * per_row;
+}
+/* the K-quants: each row's float16 d (and dmin) once per super-block of 256 / pack_unit units, ahead of them */
+static inline long header_bytes(int type) { return k_quant(type) ? PACK_ROWS * 2 * (type == GGUF_Q6_K ? 1 : 2) : 0; }
+static inline long units_per_header(int type) { return k_quant(type) ? 256 / pack_unit(type) : 1; }
+static inline long header_span(int type) { return header_bytes(type) + units_per_header(type) * unit_bytes(type); }
+/* unit u of a group's run (base: the group's first byte) and its super-block's header */
+static inline const unsigned char *unit_at(int type, const unsigned char *base, long u) {
+    return base + u / units_per_header(type) * header_span(type) + header_bytes(type) + u % units_per_header(type) * unit_bytes(type);
+}
+static inline const unsigned char *header_at(int type, const unsigned char *base, long u) {
+    return base + u / units_per_header(type) * header_span(type);
 }
 
 /* bytes gguf_pack writes for N rows of D weights; 0 for a type or shape it does not pack */
 long gguf_packed_bytes(int type, long N, long D) {
     if (!packable(type) || D % (k_quant(type) ? 256 : QK) || N < 1) return 0;
-    return (N + PACK_ROWS - 1) / PACK_ROWS * (D / pack_unit(type)) * unit_bytes(type);
+    return (N + PACK_ROWS - 1) / PACK_ROWS * (D / pack_unit(type) / units_per_header(type)) * header_span(type);
 }
 
 /* w's N rows of blocks -> out (gguf_packed_bytes of them; rows past N in the last group are zeros) */
@@ -966,47 +980,52 @@ int gguf_pack(const unsigned char *w, int type, long N, long D, unsigned char *o
     if (!size) return -1;
     memset(out, 0, size);
     const long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), U = pack_unit(type);
-    const long units = D / U, ub = unit_bytes(type), wb = unit_weight_bytes(type);
+    const long units = D / U, wb = unit_weight_bytes(type), run = units / units_per_header(type) * header_span(type);
     const int nib = pack_nibbles(type), k = pack_int_offset(type);
     const long groups = (N + PACK_ROWS - 1) / PACK_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
         const long rows = N - g * PACK_ROWS < PACK_ROWS ? N - g * PACK_ROWS : PACK_ROWS;
-        for (long u0 = 0; u0 < nb; u0 += 8) {
-            int count = nb - u0 < 8 ? (int)(nb - u0) : 8;
-            float lh[PACK_ROWS][16], off[PACK_ROWS][8];
-            for (long r = 0; r < rows; r++) unit_scales(type, w + (g * PACK_ROWS + r) * row_bytes, u0, count, lh[r], off[r]);
-            for (int j = 0; j < count; j++) {
-                const long b = u0 + j;
-                unsigned int words[PACK_ROWS][8] = {{0}}; /* row r's 32 integers r as bytes, four to a word */
-                for (long r = 0; r < rows; r++) {
-                    const unsigned char *block = block_at(type, w + (g * PACK_ROWS + r) * row_bytes, b);
+        unsigned char *base = out + g * run;
+        for (long b = 0; b < nb; b++) {
+            const int j = (int)(b % 8);
+            unsigned int words[PACK_ROWS][8] = {{0}}; /* row r's 32 integers r as bytes, four to a word */
+            for (long r = 0; r < rows; r++) {
+                const unsigned char *row = w + (g * PACK_ROWS + r) * row_bytes, *block = block_at(type, row, b);
 #if defined(__AVX2__)
-                    _mm256_storeu_si256((__m256i *)words[r], _mm256_add_epi8(decode_simd(type, block, j), _mm256_set1_epi8((char)k)));
+                _mm256_storeu_si256((__m256i *)words[r], _mm256_add_epi8(decode_simd(type, block, j), _mm256_set1_epi8((char)k)));
 #else
-                    unsigned char q[QK];
-                    int ints[QK];
-                    decode_scalar(type, block, j, ints);
-                    for (int l = 0; l < QK; l++) q[l] = (unsigned char)(ints[l] + k);
-                    memcpy(words[r], q, QK);
+                unsigned char q[QK];
+                int ints[QK];
+                decode_scalar(type, block, j, ints);
+                for (int l = 0; l < QK; l++) q[l] = (unsigned char)(ints[l] + k);
+                memcpy(words[r], q, QK);
 #endif
+                /* the scales, as the file keeps them */
+                for (int half = 0; half < 2 && (half == 0 || U == 16); half++) {
+                    const long u = (b * QK + 16 * half) / U;
+                    unsigned char *tail = (unsigned char *)unit_at(type, base, u) + wb, *head = (unsigned char *)header_at(type, base, u);
+                    if (type == GGUF_Q6_K) {
+                        tail[r] = block[192 + 2 * j + half];
+                        memcpy(head + 2 * r, block + 208, 2);
+                    } else if (k_quant(type)) {
+                        unsigned char sc[8], mn[8];
+                        scales_mins_k4(block + 4, sc, mn);
+                        tail[r] = sc[j], tail[PACK_ROWS + r] = mn[j];
+                        memcpy(head + 2 * r, block, 2), memcpy(head + 2 * PACK_ROWS + 2 * r, block + 2, 2);
+                    } else {
+                        memcpy(tail + 2 * r, block, 2);
+                        if (!k) memcpy(tail + 2 * PACK_ROWS + 2 * r, block + 2, 2);
+                    }
                 }
-                for (int word = 0; word < 8; word++) { /* weights 4 word .. 4 word + 3: operand word % (U / 4) */
-                    long first = b * QK + 4 * word;
-                    unsigned char *unit = out + (g * units + first / U) * ub;
-                    unsigned int *operand = (unsigned int *)unit + (first % U) / 4 * PACK_ROWS;
-                    if (!nib) {
-                        for (long r = 0; r < rows; r++) operand[r] = words[r][word];
-                    } else if (word < 4) { /* operand word in the low nibbles, word + 4 in the high ones */
-                        for (long r = 0; r < rows; r++) operand[r] = words[r][word] | words[r][word + 4] << 4;
-                    }
-                    if (word % 4 == 0) { /* a unit's first operand: its scales (weights 0-15 and 16-31: one unit unless U is 16) */
-                        float *f = (float *)(unit + wb);
-                        for (long r = 0; r < rows; r++) {
-                            f[r] = lh[r][2 * j + word / 4];
-                            if (!k) f[PACK_ROWS + r] = off[r][j];
-                        }
-                    }
+            }
+            for (int word = 0; word < 8; word++) { /* weights 4 word .. 4 word + 3: operand word % (U / 4) */
+                long first = b * QK + 4 * word;
+                unsigned int *operand = (unsigned int *)unit_at(type, base, first / U) + (first % U) / 4 * PACK_ROWS;
+                if (!nib) {
+                    for (long r = 0; r < rows; r++) operand[r] = words[r][word];
+                } else if (word < 4) { /* operand word in the low nibbles, word + 4 in the high ones */
+                    for (long r = 0; r < rows; r++) operand[r] = words[r][word] | words[r][word + 4] << 4;
                 }
             }
         }
@@ -1020,6 +1039,19 @@ static void unit_sums(const signed char *xq, long S, long D, long U, int *isums)
         int total = 0;
         for (long i = 0; i < U; i++) total += xq[a * U + i];
         isums[a] = total;
+    }
+}
+
+/* row r's scale and offset in unit u (tail: the bytes after its weights), as unit_scales computes them */
+static inline void packed_scale(int type, const unsigned char *head, const unsigned char *tail, long r, float *scale, float *offset) {
+    if (type == GGUF_Q6_K) {
+        *scale = f16_at(head + 2 * r) * (float)(signed char)tail[r], *offset = 0.0f;
+    } else if (k_quant(type)) {
+        *scale = f16_at(head + 2 * r) * (float)tail[r];
+        *offset = -(f16_at(head + 2 * PACK_ROWS + 2 * r) * (float)tail[PACK_ROWS + r]);
+    } else {
+        *scale = f16_at(tail + 2 * r);
+        *offset = pack_int_offset(type) ? 0.0f : f16_at(tail + 2 * PACK_ROWS + 2 * r);
     }
 }
 
@@ -1046,6 +1078,25 @@ static inline int four_bytes(const signed char *p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+/* 8 rows' scales and offsets (rows 8h..8h+7), packed_scale's values */
+static inline __attribute__((always_inline)) void packed_scales8(int type, const unsigned char *head, const unsigned char *tail,
+                                                                 int h, __m256 *scale, __m256 *offset) {
+    if (type == GGUF_Q6_K) {
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h)));
+        *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 8 * h)))));
+        *offset = _mm256_setzero_ps();
+    } else if (k_quant(type)) {
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h)));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 2 * PACK_ROWS + 16 * h)));
+        *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + 8 * h)))));
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(tail + PACK_ROWS + 8 * h))));
+        *offset = _mm256_xor_ps(_mm256_mul_ps(dmin, m), _mm256_set1_ps(-0.0f));
+    } else {
+        *scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 16 * h)));
+        *offset = pack_int_offset(type) ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tail + 2 * PACK_ROWS + 16 * h)));
+    }
+}
 #endif
 
 #if GGUF_LANES == 16
@@ -1054,14 +1105,17 @@ static inline int four_bytes(const signed char *p) {
 static inline __attribute__((always_inline)) void packed_rows512(const float *x_d, const float *x_sums, const int *x_isums,
                                                                  const signed char *xq, const unsigned char *p, float *y,
                                                                  long ldy, const long S, long D, long N, long g0, long g1,
-                                                                 const int nib, const int k, const long U, const long ub) {
-    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / U, wb = U * PACK_ROWS / (nib ? 2 : 1);
+                                                                 const int type) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
+    const long run = units / units_per_header(type) * header_span(type);
+    const int nib = pack_nibbles(type), k = pack_int_offset(type);
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (long g = g0; g < g1; g++) {
-        const unsigned char *unit = p + g * units * ub;
+        const unsigned char *base = p + g * run;
         __m512 acc[S];
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps();
-        for (long u = 0; u < units; u++, unit += ub) {
+        for (long u = 0; u < units; u++) {
+            const unsigned char *unit = unit_at(type, base, u);
             _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
             const long b = u * U / QK;
@@ -1085,11 +1139,14 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
                         sums[s] = _mm512_dpbusd_epi32(sums[s], op, _mm512_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)));
                 }
             }
-            const float *f = (const float *)(unit + wb);
-            __m512 scale = _mm512_loadu_ps(f);
+            __m256 s_lo, s_hi, o_lo, o_hi;
+            packed_scales8(type, header_at(type, base, u), unit + wb, 0, &s_lo, &o_lo);
+            packed_scales8(type, header_at(type, base, u), unit + wb, 1, &s_hi, &o_hi);
+            __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(s_lo), s_hi, 1);
+            __m512 offset = _mm512_insertf32x8(_mm512_castps256_ps512(o_lo), o_hi, 1);
             for (long s = 0; s < S; s++) {
                 acc[s] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[s]), _mm512_mul_ps(scale, _mm512_set1_ps(x_d[s * nb + b])), acc[s]);
-                if (!k) acc[s] = _mm512_fmadd_ps(_mm512_loadu_ps(f + PACK_ROWS), _mm512_set1_ps(x_sums[s * nbp + b]), acc[s]);
+                if (!k) acc[s] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[s * nbp + b]), acc[s]);
             }
         }
         long rows = N - g * PACK_ROWS < PACK_ROWS ? N - g * PACK_ROWS : PACK_ROWS;
@@ -1101,15 +1158,18 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
 static inline __attribute__((always_inline)) void packed_rows256(const float *x_d, const float *x_sums, const int *x_isums,
                                                                  const signed char *xq, const unsigned char *p, float *y,
                                                                  long ldy, const long S, long D, long N, long g0, long g1,
-                                                                 const int nib, const int k, const long U, const long ub) {
-    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / U, wb = U * PACK_ROWS / (nib ? 2 : 1);
+                                                                 const int type) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
+    const long run = units / units_per_header(type) * header_span(type);
+    const int nib = pack_nibbles(type), k = pack_int_offset(type);
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (long g = g0; g < g1; g++) {
+        const unsigned char *base = p + g * run;
         for (int h = 0; h < 2; h++) {
-            const unsigned char *unit = p + g * units * ub;
             __m256 acc[S];
             for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
-            for (long u = 0; u < units; u++, unit += ub) {
+            for (long u = 0; u < units; u++) {
+                const unsigned char *unit = unit_at(type, base, u);
                 _mm_prefetch((const char *)unit + PREFETCH + 32 * h, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 128 + 32 * h, _MM_HINT_T0);
                 const long b = u * U / QK;
                 __m256i sums[S];
@@ -1142,11 +1202,11 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                             sums[s] = dot_acc(sums[s], op, _mm256_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)));
                     }
                 }
-                const float *f = (const float *)(unit + wb) + 8 * h;
-                __m256 scale = _mm256_loadu_ps(f);
+                __m256 scale, offset;
+                packed_scales8(type, header_at(type, base, u), unit + wb, h, &scale, &offset);
                 for (long s = 0; s < S; s++) {
                     acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[s]), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
-                    if (!k) acc[s] = _mm256_fmadd_ps(_mm256_loadu_ps(f + PACK_ROWS), _mm256_set1_ps(x_sums[s * nbp + b]), acc[s]);
+                    if (!k) acc[s] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_sums[s * nbp + b]), acc[s]);
                 }
             }
             long rows = N - g * PACK_ROWS - 8 * h;
@@ -1163,15 +1223,16 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
 /* the same arithmetic in plain C, a row and a position at a time (the tests' reference; the path without AVX2) */
 static void packed_rows_plain(const float *x_d, const float *x_sums, const int *x_isums, const signed char *xq,
                               const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1) {
-    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, ub = unit_bytes(type);
-    const long wb = unit_weight_bytes(type);
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
+    const long run = units / units_per_header(type) * header_span(type);
     const int nib = pack_nibbles(type), k = pack_int_offset(type);
     for (long n = g0 * PACK_ROWS; n < g1 * PACK_ROWS && n < N; n++) {
         const long g = n / PACK_ROWS, r = n % PACK_ROWS;
+        const unsigned char *base = p + g * run;
         for (long s = 0; s < S; s++) {
             float acc = 0.0f;
             for (long u = 0; u < units; u++) {
-                const unsigned char *unit = p + (g * units + u) * ub;
+                const unsigned char *unit = unit_at(type, base, u);
                 const signed char *xs = xq + s * D + u * U;
                 const long b = u * U / QK;
                 int sum = -k * x_isums[s * units + u];
@@ -1180,9 +1241,10 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
                     int raw = nib ? (unit[(o % 4) * 64 + 4 * r + i] >> (4 * (o / 4))) & 0xf : unit[o * 64 + 4 * r + i];
                     sum += raw * xs[t];
                 }
-                const float *f = (const float *)(unit + wb);
-                acc = fmaf((float)sum, f[r] * x_d[s * nb + b], acc);
-                if (!k) acc = fmaf(f[PACK_ROWS + r], x_sums[s * nbp + b], acc);
+                float scale, offset;
+                packed_scale(type, header_at(type, base, u), unit + wb, r, &scale, &offset);
+                acc = fmaf((float)sum, scale * x_d[s * nb + b], acc);
+                if (!k) acc = fmaf(offset, x_sums[s * nbp + b], acc);
             }
             y[s * ldy + n] = acc;
         }
@@ -1208,24 +1270,20 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
 #else
 #define PACKED_ROWS packed_rows256
 #endif
-#define LAYOUT(nib, k, U) switch (n) { \
-            case 1: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 1, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 2: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 2, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 3: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 3, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 4: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 4, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 5: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 5, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 6: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 6, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            case 7: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 7, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; \
-            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, nib, k, U, unit_bytes(type)); break; }
+#define TYPE(t) case t: switch (n) { \
+            case 1: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 1, D, N, g0, g1, t); break; \
+            case 2: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 2, D, N, g0, g1, t); break; \
+            case 3: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 3, D, N, g0, g1, t); break; \
+            case 4: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 4, D, N, g0, g1, t); break; \
+            case 5: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 5, D, N, g0, g1, t); break; \
+            case 6: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 6, D, N, g0, g1, t); break; \
+            case 7: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 7, D, N, g0, g1, t); break; \
+            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, t); break; } break;
             switch (type) {
-            case GGUF_Q4_1: case GGUF_Q4_K: LAYOUT(1, 0, 32) break;
-            case GGUF_Q4_0: LAYOUT(1, 8, 32) break;
-            case GGUF_Q5_1: case GGUF_Q5_K: LAYOUT(0, 0, 32) break;
-            case GGUF_Q5_0: LAYOUT(0, 16, 32) break;
-            case GGUF_Q8_0: LAYOUT(0, 128, 32) break;
-            default: LAYOUT(0, 32, 16) break; /* Q6_K */
+                TYPE(GGUF_Q4_0) TYPE(GGUF_Q4_1) TYPE(GGUF_Q5_0) TYPE(GGUF_Q5_1) TYPE(GGUF_Q8_0)
+                TYPE(GGUF_Q4_K) TYPE(GGUF_Q5_K) TYPE(GGUF_Q6_K)
             }
-#undef LAYOUT
+#undef TYPE
 #undef PACKED_ROWS
         }
         return;
