@@ -234,8 +234,9 @@ def is_gguf(spec: str | None) -> bool:
 
 
 def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | None = None) -> str:
-    """auto: llama.cpp for a .gguf target (and a .gguf draft, if any) on the CPU when llama-cpp-python is
-    installed, else torch."""
+    """auto, for a .gguf target (and a .gguf draft, if any) on the CPU: the lean engine or llama.cpp, whichever ran
+    the target faster on this CPU (choose_engine: measured once); llama.cpp where the lean engine cannot read the
+    files or build its kernel; the lean engine where llama-cpp-python is not installed; else torch."""
     if name not in ENGINES:
         raise ModelError(f"unknown engine {name!r}; choose {', '.join(ENGINES)}")
     if name == "torch":
@@ -250,6 +251,12 @@ def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | 
 
     files = is_gguf(spec) and (draft is None or is_gguf(draft))
     usable = files and device.type == "cpu" and llamacpp.available()
+    if name == "auto" and files and device.type == "cpu" and lean_reads(spec, draft):
+        if not usable:
+            return "lean"
+        from specchat import choose_engine, threads
+
+        return choose_engine.choose(gguf_path(spec), threads.setting()).engine
     if name == "llama.cpp" and not usable:
         if not is_gguf(spec):
             raise ModelError(f"--engine llama.cpp runs .gguf files; {spec} is not one (use --engine torch)")
@@ -259,6 +266,20 @@ def pick_engine(name: str, spec: str | None, device: torch.device, draft: str | 
             raise ModelError(f"--engine llama.cpp runs on the CPU; the device is {device} (use --engine torch)")
         raise ModelError(f"--engine llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}")
     return "llama.cpp" if usable else "torch"
+
+
+def gguf_path(spec: str | None) -> Path:
+    return default_gguf() if spec is None else Path(spec).expanduser()
+
+
+def lean_reads(spec: str | None, draft: str | None = None) -> bool:
+    """Whether the lean engine can run these GGUF files here: a C compiler for its kernel, and files it reads."""
+    from specchat import choose_engine
+    from specchat.engine import smallbatch
+
+    if not smallbatch.buildable():
+        return False
+    return all(choose_engine.lean_problem(gguf_path(s)) is None for s in (spec, *([draft] if draft else [])))
 
 
 def tokenizer_cached(spec: str | None) -> bool:

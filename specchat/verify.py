@@ -317,17 +317,27 @@ class TargetConditionals:
     sequence's prefixes. Sequences go BATCH at a time (right-padded: causal attention keeps the padding out
     of the positions that matter); that is 3-5x faster on a CPU than one forward each, and differs from the
     loop's own forwards only by float rounding (~1e-5 of a logit in float32). On llama.cpp each sequence is one
-    decode after the prompt on a context of its own (a batch of positions, as the loop's verifies are)."""
+    decode after the prompt on a context of its own (a batch of positions, as the loop's verifies are); on the lean
+    engine one forward after the prompt in a cache of its own, each overwriting the last (the same arithmetic as
+    the loop's verifies: a position's logits do not depend on what is fed with it)."""
 
     BATCH = 16
 
     def __init__(self, model, prompt: list[int], params) -> None:
         from specchat.engine.cache import forward_logits, new_cache
         from specchat.engine.llamacpp import on_llama_cpp
+        from specchat.engine.runner import Runner
 
         self.model, self.prompt, self.params = model, list(prompt), params
         self.forwards = 0
         self.context = None  # llama.cpp: one context, the prompt prefilled once, each sequence fed after it
+        self.lean = None  # the lean engine (`model` is its Runner): a cache of its own, likewise
+        if isinstance(model, Runner):
+            self.lean, self.cache = model, model.new_cache()
+            if len(prompt) > 1:
+                with torch.inference_mode():
+                    self.lean.step(self.prompt[:-1], self.cache, 0, keep=1)
+            return
         if on_llama_cpp(model):
             self.context = model.context()
             if len(prompt) > 1:
@@ -346,6 +356,13 @@ class TargetConditionals:
 
         sequences = [s for s in sequences if s]
         last = self.prompt[-1]
+        if self.lean is not None:
+            for seq in sequences:
+                with torch.inference_mode():
+                    logits = self.lean.step([last, *seq[:-1]], self.cache, len(self.prompt) - 1, keep=len(seq))  # [len(seq), V]
+                self.forwards += 1
+                yield seq, logits_to_probs(logits, self.params)
+            return
         if self.context is not None:  # one sequence per decode (a llama.cpp batch of one sequence)
             for seq in sequences:
                 logits = self.context.decode([last, *seq[:-1]], len(self.prompt) - 1, keep=len(seq))  # [len(seq), V]
@@ -572,7 +589,8 @@ def run_verify(
     if test == "target":
         if progress:
             progress(f"target probabilities of {len(sequences)} distinct continuations...")
-        target = TargetConditionals(session.state.model, prompt, controls.sampling)
+        state = session.state  # a target read in place (the lean engine) has its runner and no model
+        target = TargetConditionals(state.model if state.model is not None else state.lean, prompt, controls.sampling)
         positions, tv, z = conditional_tests(sequences, target, depth)
         statistic, dof = sum(p["statistic"] for p in positions), sum(p["dof"] for p in positions)
         result = ChiSquare(statistic, dof, chi2_sf(statistic, dof), sum(p["cells"] for p in positions))

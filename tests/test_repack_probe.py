@@ -189,11 +189,13 @@ def test_torch_bfloat16_matmuls_leave_llama_cpps_amx_tiles_alone(tmp_path, cappe
 
 @pytest.mark.slow
 def test_generate_says_in_its_summary_that_repacking_is_off():
-    """The default command on the default model, with repacking off as the probe would turn it off: one line."""
+    """The default model on llama.cpp (auto may measure the lean engine faster), with repacking off as the probe would
+    turn it off: one line."""
     from support.process import run_env
 
     env = run_env(LLAMA_ARG_REPACK="0")
-    ran = subprocess.run([sys.executable, "-m", "specchat", "generate", "--prompt", "Hi", "--max-new-tokens", "3", "--format", "json"],
+    ran = subprocess.run([sys.executable, "-m", "specchat", "generate", "--prompt", "Hi", "--max-new-tokens", "3", "--format", "json",
+                          "--engine", "llama.cpp"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert ran.returncode == 0, ran.stderr
     summary = [json.loads(line) for line in ran.stdout.splitlines()][-1]

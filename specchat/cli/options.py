@@ -300,8 +300,8 @@ def _model_options(f, *, draft: bool):
         click.option("--device", default=ModelOptions.device, show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
         *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp", "lean"]), default=ModelOptions.engine, show_default=True,
                         help="What runs the models: llama.cpp (GGUF files on the CPU), lean (GGUF files on the CPU, read in place by specchat's own "
-                             "kernel: modes off, suffix, lookup, draft, auto) or torch. auto: llama.cpp for a .gguf target on the CPU when "
-                             "llama-cpp-python is installed.")]
+                             "kernel: modes off, suffix, lookup, draft, auto) or torch. auto, for a .gguf target on the CPU: lean or llama.cpp, "
+                             "whichever ran it faster on this CPU (measured once), llama.cpp for a file the lean engine does not read.")]
           if draft else []),
         click.option("--dtype", default=ModelOptions.dtype, show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
@@ -475,11 +475,19 @@ def load_models(models: ModelOptions, progress):
         threads.prepare_for_llama_cpp()
     threads.set_threads(models.threads)
     from specchat.models import (check_same_tokenizer, check_same_vocab, conversion_plan, convert_gguf, default_gguf, is_gguf,
-                                 load_model, load_tokenizer, pick_device, pick_dtype, pick_engine, tokenizer_cached)
+                                 gguf_path, lean_reads, load_model, load_tokenizer, pick_device, pick_dtype, pick_engine,
+                                 tokenizer_cached)
 
     specs = [models.target, *([models.draft] if models.draft else [])]
     device = pick_device(models.device)
     dtype = pick_dtype(models.dtype, device)
+    if models.engine == "auto" and likely_llama_cpp(models) and device.type == "cpu" and lean_reads(models.target, models.draft):
+        from specchat import choose_engine, threads as thread_policy
+
+        if not choose_engine.known(gguf_path(models.target), thread_policy.setting()):
+            with progress.status(f"Measuring once which engine runs {gguf_path(models.target).name} faster on this CPU, "
+                                 "llama.cpp or specchat's lean kernel (the first time this also compiles the kernel: ~20 s)..."):
+                pick_engine(models.engine, models.target, device, models.draft)
     engine = pick_engine(models.engine, models.target, device, models.draft)
     if engine == "torch":  # before anything is converted or compiled: a start that writes gigabytes asks first
         ask_before_writing(models.yes, progress, [default_gguf() if spec is None else Path(spec).expanduser() for spec in specs if is_gguf(spec)])
@@ -494,9 +502,9 @@ def load_models(models: ModelOptions, progress):
         if None not in tokenizers:
             check_same_vocab(models.target or "SmolLM2-135M-Instruct (default)", tokenizers[0], models.draft, tokenizers[1])
     kwargs = dict(device_map=models.device_map, trust_remote_code=models.trust_remote_code, download=models.download, engine=engine)
-    where = "llama.cpp on the CPU" if engine == "llama.cpp" else f"{device} ({dtype})"
-    once = once if engine == "llama.cpp" else ""  # torch takes the tokenizer from the GGUF's conversion below
-    if engine == "torch" and device.type == "cpu":  # the lean runner's kernel is compiled once per machine: say so
+    where = {"llama.cpp": "llama.cpp on the CPU", "lean": "the CPU (specchat's lean kernel, reading the file in place)"}.get(engine, f"{device} ({dtype})")
+    once = once if engine in ("llama.cpp", "lean") else ""  # torch takes the tokenizer from the GGUF's conversion below
+    if engine in ("torch", "lean") and device.type == "cpu":  # the lean runner's kernel is compiled once per machine: say so
         from specchat.engine import smallbatch
         from specchat.store import cache_dir
 
@@ -568,6 +576,12 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7
         session.controls.adaptive = AdaptiveK(start=options.draft_len, k_max=max(16, 2 * options.draft_len), p_min=0.7)
+    if models.engine == "auto" and is_gguf(models.target):  # which engine auto measured faster, and by how much
+        from specchat import choose_engine
+        from specchat.models import gguf_path
+
+        if (choice := choose_engine.made(gguf_path(models.target))) is not None:
+            session.notices.append(choice.reason)
     if session.info.engine == "torch" and models.engine == "auto" and is_gguf(models.target) and device.type == "cpu" \
             and (not models.draft or is_gguf(models.draft)):
         session.notices.append(f"llama-cpp-python is not installed, so this GGUF runs dequantised on torch; on llama.cpp plain "

@@ -67,6 +67,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def buildable() -> bool:
+    """Whether load() can build the kernel here (it needs a C compiler: the build is keyed by it)."""
+    return _fn is not None or _compiler() is not None
+
+
 def _built_path(folder: Path, cc: str) -> Path:
     """Where the kernel compiled by `cc` for this CPU and source lies in `folder`."""
     key = hashlib.sha1(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_key().encode()).hexdigest()[:12]
