@@ -1,7 +1,8 @@
-"""A GGUF file read in place as the lean runner's weights: every matrix as the file's own blocks (smallbatch.GGUFWeights,
-multiplied by gguf_linear with x rounded to int8 per block, as llama.cpp does), norms and biases as float32 views of
-the memory-mapped file, the embedding looked up row by row. Nothing is converted: a step streams the file's bytes,
-and a model that would take gigabytes as float32 starts in about a second.
+"""A GGUF file read in place as the lean runner's weights (the lean engine, --engine lean): every matrix as the file's
+own blocks, 16 rows interleaved at load (smallbatch.GGUFWeights.packed: the same integers and scales, about the
+file's size; multiplied by gguf_linear with x rounded to int8 per block of 32, as llama.cpp does), norms and biases as
+float32 views of the memory-mapped file, the embedding looked up row by row. Nothing is converted to float: a step
+streams about the file's bytes, and a model that would take gigabytes as float32 starts in seconds.
 
 Llama/SmolLM2, Qwen2/2.5 and Qwen3 files; anything else (another architecture, RoPE scaling, a tensor type the kernel
 does not take) is refused in one line (`Unreadable`) and keeps the other engines.
@@ -32,7 +33,8 @@ class Unreadable(ValueError):
 
 class GGUFFile:
     """A GGUF file's tensors as numpy views of its memory map, by name; `interleaved`: matrices with 16 rows
-    interleaved for the kernel (GGUFWeights.packed: a copy made at load, a verify's extra positions a third as dear)."""
+    interleaved for the kernel (GGUFWeights.packed: a copy made at load, about the file's size, whose extra positions
+    in a verify cost a fraction of a step; the file's pages are then dropped)."""
 
     def __init__(self, path: str | Path, interleaved: bool = True) -> None:
         self.path = Path(path)

@@ -14,7 +14,8 @@ the C code microseconds.
 `gguf_linear` multiplies a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K,
 Q6_K), read in place, for 1-16 positions (x rounded to int8 per block of 32, as llama.cpp does): the weights a
 quantised model streams, with no float32 copy. `GGUFWeights.packed` interleaves 16 rows once at load time (about the
-file's bytes again), so that a verify's extra positions cost a third as much (the kernel's comment says why).
+file's size: its scales stay as compact as the file's), so that one VNNI instruction multiplies 16 rows and a verify's
+extra positions cost a fraction of a step (the kernel's comment says why).
 
 Drafts may keep their matrices in bfloat16 (`draft_weights`) or int8 with a scale per output row
 (`Int8Weights`, mode quant): the kernel widens each weight to float32 as it streams it, so a draft's matmuls
