@@ -486,7 +486,7 @@ def load_models(models: ModelOptions, progress):
 
         if not choose_engine.known(gguf_path(models.target), thread_policy.setting()):
             with progress.status(f"Measuring once which engine runs {gguf_path(models.target).name} faster on this CPU, "
-                                 "llama.cpp or specchat's lean kernel (the first time this also compiles the kernel: ~20 s)..."):
+                                 "llama.cpp or specchat's lean kernel (the first time this also compiles the kernel: ~35 s)..."):
                 pick_engine(models.engine, models.target, device, models.draft)
     engine = pick_engine(models.engine, models.target, device, models.draft)
     if engine == "torch":  # before anything is converted or compiled: a start that writes gigabytes asks first
@@ -509,7 +509,7 @@ def load_models(models: ModelOptions, progress):
         from specchat.store import cache_dir
 
         if smallbatch.needs_build(cache_dir() / "kernels"):
-            with progress.status("Compiling specchat's small-batch kernel once for this CPU (cc -O3 -march=native: 19 s "
+            with progress.status("Compiling specchat's small-batch kernel once for this CPU (cc -O3 -march=native: 33 s "
                                  "on the 2-core reference machine)..."):
                 smallbatch.load(cache_dir() / "kernels")
     for spec in specs if engine == "torch" else []:  # a GGUF for torch is dequantised once first: say how big, how long

@@ -2,7 +2,7 @@
 
 A verify feeds K+1 positions; PyTorch's GEMM reads the weights at 1.6-2.5x the cost of a one-row step for
 4-16 rows, the kernel reads them once for all of up to 16 rows (see its header). `load(folder)` compiles it once per
-machine with the system's C compiler (`cc -O3 -march=native -fopenmp`: 18.6 s with GCC 12 on the reference Xeon) into `folder` (the user
+machine with the system's C compiler (`cc -O3 -march=native -fopenmp`: 33 s with GCC 12 on the reference Xeon) into `folder` (the user
 cache: models.load_model passes it, the engine knows no folders) and loads it with ctypes, which releases the
 GIL during the call (the parallel engines of `specchat verify` run side by side). Until it is loaded, and
 where it cannot be built (no compiler, a failed compile) or SPECCHAT_KERNEL=torch, `linear` is F.linear.

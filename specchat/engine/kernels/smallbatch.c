@@ -1251,25 +1251,35 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
     }
 }
 
-/* groups g0..g1-1: S <= 8 positions at once (a register each for the integer and the float sums), in even chunks */
+#if GGUF_LANES == 16
+#define PACKED_ROWS packed_rows512
+#define PACKED_CHUNK 12 /* positions a pass takes: 2 registers each of 32, the rest for the weights */
+#define PACKED_WIDE(t) \
+            case 9: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 9, D, N, g0, g1, t); break; \
+            case 10: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 10, D, N, g0, g1, t); break; \
+            case 11: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 11, D, N, g0, g1, t); break; \
+            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 12, D, N, g0, g1, t); break;
+#else
+#define PACKED_ROWS packed_rows256
+#define PACKED_CHUNK 8
+#define PACKED_WIDE(t) default: break;
+#endif
+
+/* groups g0..g1-1: up to PACKED_CHUNK positions at once (a register each for the integer and the float sums), in
+   even chunks */
 static void packed_rows(const float *x_d, const float *x_sums, const int *x_isums, const signed char *xq,
                         const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1,
                         int reference) {
 #if GGUF_LANES == 16 || defined(__AVX2__)
     if (!reference) {
         const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / pack_unit(type);
-        const long chunk = S <= 8 ? S : (S + 1) / 2;
+        const long chunk = S <= PACKED_CHUNK ? S : (S + 1) / 2;
         for (long s0 = 0; s0 < S; s0 += chunk) {
             const long n = S - s0 < chunk ? S - s0 : chunk;
             const float *d = x_d + s0 * nb, *sums = x_sums + s0 * nbp;
             const int *is = x_isums + s0 * units;
             const signed char *xs = xq + s0 * D;
             float *ys = y + s0 * ldy;
-#if GGUF_LANES == 16
-#define PACKED_ROWS packed_rows512
-#else
-#define PACKED_ROWS packed_rows256
-#endif
 #define TYPE(t) case t: switch (n) { \
             case 1: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 1, D, N, g0, g1, t); break; \
             case 2: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 2, D, N, g0, g1, t); break; \
@@ -1278,7 +1288,8 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
             case 5: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 5, D, N, g0, g1, t); break; \
             case 6: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 6, D, N, g0, g1, t); break; \
             case 7: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 7, D, N, g0, g1, t); break; \
-            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, t); break; } break;
+            case 8: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, t); break; \
+            PACKED_WIDE(t) } break;
             switch (type) {
                 TYPE(GGUF_Q4_0) TYPE(GGUF_Q4_1) TYPE(GGUF_Q5_0) TYPE(GGUF_Q5_1) TYPE(GGUF_Q8_0)
                 TYPE(GGUF_Q4_K) TYPE(GGUF_Q5_K) TYPE(GGUF_Q6_K)
