@@ -26,37 +26,12 @@ CHOICE_VERSION = 1  # bump when the measurement changes: remembered choices are 
 TIMEOUT_S = 600
 PROMPT, REPS = 64, 7
 
-# what the lean engine reads (engine/gguf_model.py checks the same when it loads)
-LEAN_FAMILIES = {"llama", "qwen2", "qwen3"}
-LEAN_TYPES = {0, 1, 2, 3, 6, 7, 8, 12, 13, 14}  # ggml's F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
-LEAN_REQUIRED = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-
 
 @dataclass(frozen=True)
 class Choice:
     engine: str  # "lean" or "llama.cpp"
     reason: str  # one line for the user: what was measured
     measured: bool = True  # False: the child failed (remembered for this process only, tried again next start)
-
-
-def lean_problem(path: Path) -> str | None:
-    """Why the lean engine cannot read `path` (from its header alone, no torch), or None where it can."""
-    from specchat.engine import gguf_header
-
-    try:
-        header = gguf_header.read(path)
-    except (OSError, ValueError) as e:
-        return str(e)
-    arch = header.metadata.get("general.architecture")
-    if arch not in LEAN_FAMILIES:
-        return f"a {arch} model"
-    if header.metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in header.tensors:
-        return "RoPE scaling"
-    if any(f"blk.0.{name}.weight" not in header.tensors for name in LEAN_REQUIRED) or "token_embd.weight" not in header.tensors:
-        return "not a decoder laid out as the lean runner reads it"
-    if other := sorted({t.type for t in header.tensors.values()} - LEAN_TYPES):
-        return f"tensor type {other[0]}"
-    return None
 
 
 def choice_key(path: Path, threads: str) -> str:

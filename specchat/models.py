@@ -274,12 +274,12 @@ def gguf_path(spec: str | None) -> Path:
 
 def lean_reads(spec: str | None, draft: str | None = None) -> bool:
     """Whether the lean engine can run these GGUF files here: a C compiler for its kernel, and files it reads."""
-    from specchat import choose_engine
     from specchat.engine import smallbatch
+    from specchat.engine.gguf_model import header_problem
 
     if not smallbatch.buildable():
         return False
-    return all(choose_engine.lean_problem(gguf_path(s)) is None for s in (spec, *([draft] if draft else [])))
+    return all(header_problem(gguf_path(s)) is None for s in (spec, *([draft] if draft else [])))
 
 
 def tokenizer_cached(spec: str | None) -> bool:

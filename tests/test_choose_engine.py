@@ -10,21 +10,22 @@ import pytest
 import torch
 
 from specchat import choose_engine
-from specchat.choose_engine import Choice, decide, lean_problem
+from specchat.choose_engine import Choice, decide
+from specchat.engine.gguf_model import header_problem
 from specchat.models import default_gguf
 from support.gguf import write_gguf
 from support.models import tiny_llama
 
 
 def test_the_lean_engine_reads_the_default_model_and_says_why_it_does_not_read_another_file(tmp_path):
-    assert lean_problem(default_gguf()) is None
+    assert header_problem(default_gguf()) is None
     path = write_gguf(tiny_llama(0), tmp_path / "tiny.gguf")
-    assert lean_problem(path) is None  # float32 matrices: read too
+    assert header_problem(path) is None  # float32 matrices: read too
     other = tmp_path / "other.gguf"  # the same file calling itself another architecture
     other.write_bytes(path.read_bytes().replace(b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00llama",
                                                  b"general.architecture\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00gemma"))
-    assert lean_problem(other) == "a gemma model"
-    assert lean_problem(tmp_path / "missing.gguf") is not None
+    assert header_problem(other) == "a gemma model"
+    assert header_problem(tmp_path / "missing.gguf") is not None
 
 
 def test_the_engine_with_the_smaller_step_and_verify_wins_and_the_reason_gives_both():

@@ -106,6 +106,25 @@ class GGUFFile:
         return w
 
 
+def header_problem(path: str | Path) -> str | None:
+    """Why load_runner would refuse `path`, from its header alone (no tensor read, no packing), or None: what auto
+    asks before it measures the engines (choose_engine.py)."""
+    try:
+        header = gguf_header.read(Path(path))
+    except (OSError, ValueError) as e:
+        return str(e)
+    arch = header.metadata.get("general.architecture")
+    if arch not in FAMILIES:
+        return f"a {arch} model"
+    if header.metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in header.tensors:
+        return "RoPE scaling"
+    if any(f"blk.0.{name}.weight" not in header.tensors for name in REQUIRED) or "token_embd.weight" not in header.tensors:
+        return "not a decoder laid out as the lean runner reads it"
+    if other := sorted({t.type for t in header.tensors.values()} - set(FLOATS) - set(smallbatch.GGUF_TYPES.values())):
+        return f"tensor type {type_name(other[0])}"
+    return None
+
+
 def type_name(kind: int) -> str:
     import gguf
 
