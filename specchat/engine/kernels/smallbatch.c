@@ -217,20 +217,22 @@ struct layer {
     int part_type[4][3];
 };
 
-int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y, long ldy, long S, long N, long D,
-                     int threads, int reference);
+int gguf_parts_into(const float *x, int n, const unsigned char *const *w, const int *types, const long *rows, float *y,
+                    long ldy, long S, long D, int threads, int reference);
 #define GGUF_KIND 100 /* kind GGUF_KIND + ggml type: a GGUF file's blocks (gguf_linear, below) */
 
 static int linear_of(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, int threads) {
     if (L->part_rows[m][0] || L->kind[m] > GGUF_KIND) {
         if (L->part_rows[m][0]) { /* each part into its columns of y */
+            int n = 0;
             long at = 0;
-            for (int p = 0; p < 3 && L->part_rows[m][p]; at += L->part_rows[m][p], p++)
-                if (gguf_linear_into(x, (const unsigned char *)L->part_w[m][p], L->part_type[m][p], y + at, N, S,
-                                     L->part_rows[m][p], D, threads, 0)) return -1;
-            if (at != N) return -1;
-        } else if (gguf_linear_into(x, (const unsigned char *)L->w[m], L->kind[m] - GGUF_KIND, y, N, S, N, D, threads, 0)) {
-            return -1;
+            for (; n < 3 && L->part_rows[m][n]; n++) at += L->part_rows[m][n];
+            if (at != N || gguf_parts_into(x, n, (const unsigned char *const *)L->part_w[m], L->part_type[m], L->part_rows[m],
+                                           y, N, S, D, threads, 0)) return -1;
+        } else {
+            const unsigned char *w = L->w[m];
+            const int type = L->kind[m] - GGUF_KIND;
+            if (gguf_parts_into(x, 1, &w, &type, &N, y, N, S, D, threads, 0)) return -1;
         }
         if (L->bias[m])
             for (long s = 0; s < S; s++)
@@ -924,7 +926,7 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 }
 
 /* ------------------------------------------------------------------------------------------------------------
-   Rows interleaved at load time (gguf_pack, then gguf_linear_into with type PACKED + the ggml type). Why: in the
+   Rows interleaved at load time (gguf_pack, then gguf_parts_into with type PACKED + the ggml type). Why: in the
    file's layout a row's blocks lie together, so every block's few integer products must be converted and scaled in
    float for every position (~2 vector operations a position per 32 weights: the verify cost). Interleaved, one
    dpbusd multiplies 16 rows by 4 weights each against 4 of x's bytes broadcast; a unit's (32 weights deep, 16 for
@@ -1303,55 +1305,59 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
     packed_rows_plain(x_d, x_sums, x_isums, xq, p, type, y, ldy, S, D, N, g0, g1);
 }
 
-/* y[S, N] = x[S, D] @ w^T for w's N rows of GGUF blocks of `type` (PACKED + type: gguf_pack's interleaved rows), y's
-   rows ldy floats apart (N for a matrix of its own; a stacked matrix's part writes its columns of a wider y);
-   1 <= S <= 16, D a multiple of 32 (of 256 for the K-quants). 0, or -1 for a type or shape it does not take. */
-int gguf_linear_into(const float *x, const unsigned char *w, int type, float *y, long ldy, long S, long N, long D,
-                     int threads, int reference) {
-    const int packed = type >= PACKED, base = packed ? type - PACKED : type;
-    if (S < 1 || S > 16 || D % (k_quant(base) ? 256 : QK) || !block_bytes(base) || (packed && !packable(base))) return -1;
-    long nb = D / QK;
-    long nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
+/* y[S, N] = x[S, D] @ w^T for w stacked from n parts (1-3), part p rows[p] rows of GGUF blocks of types[p] (PACKED +
+   type: gguf_pack's interleaved rows), its outputs in the next rows[p] columns of y; y's rows ldy floats apart (N for
+   a matrix of its own); 1 <= S <= 16, D a multiple of 32 (of 256 for the K-quants). x is rounded to int8 once for all
+   parts, and one parallel loop takes 16 rows at a time from any part ([q; k; v] is one call, not three: each call
+   costs microseconds a small model's step pays ~200 times). 0, or -1 for a type or shape it does not take. */
+int gguf_parts_into(const float *x, int n, const unsigned char *const *w, const int *types, const long *rows, float *y,
+                    long ldy, long S, long D, int threads, int reference) {
+    if (S < 1 || S > 16 || n < 1 || n > 3) return -1;
+    int any_packed = 0, any_plain = 0, unit16 = 0;
+    long first_task[4] = {0};
+    for (int i = 0; i < n; i++) {
+        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
+        if (D % (k_quant(base) ? 256 : QK) || !block_bytes(base) || rows[i] < 1) return -1;
+        any_packed |= packed, any_plain |= !packed, unit16 |= packed && pack_unit(base) == 16;
+        first_task[i + 1] = first_task[i] + (rows[i] + PACK_ROWS - 1) / PACK_ROWS; /* tasks of 16 rows */
+    }
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
     signed char *xq = malloc(S * D);
     float *x_d = malloc(sizeof(float) * S * nb), *x_sums = calloc(S * nbp, sizeof(float));
-    if (!xq || !x_d || !x_sums) {
-        free(xq), free(x_d), free(x_sums);
-        return -1;
-    }
+    int *isums32 = any_packed ? malloc(sizeof(int) * S * (D / 32)) : NULL, *isums16 = unit16 ? malloc(sizeof(int) * S * (D / 16)) : NULL;
+    unsigned char *xu = any_plain ? malloc(S * D) : NULL; /* x + 128: the 512-bit path's unsigned operand against signed weights */
+    float *x_dexp = any_plain ? malloc(sizeof(float) * S * nb * 8) : NULL; /* each block's scale 8 times: a pair's lane scales */
+    int status = -1;
+    if (!xq || !x_d || !x_sums || (any_packed && !isums32) || (unit16 && !isums16) || (any_plain && (!xu || !x_dexp))) goto done;
     quantize_rows(x, S, D, xq, x_d, x_sums, nbp);
-    int status = 0;
-    if (packed) {
-        long U = pack_unit(base), groups = (N + PACK_ROWS - 1) / PACK_ROWS;
-        int *x_isums = malloc(sizeof(int) * S * (D / U));
-        if (!x_isums) {
-            status = -1;
-        } else {
-            unit_sums(xq, S, D, U, x_isums);
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (long g = 0; g < groups; g++)
-                packed_rows(x_d, x_sums, x_isums, xq, w, base, y, ldy, S, D, N, g, g + 1, reference);
-        }
-        free(x_isums);
-    } else {
-        unsigned char *xu = malloc(S * D); /* x + 128: the 512-bit path's unsigned operand against signed weights */
-        float *x_dexp = malloc(sizeof(float) * S * nb * 8); /* each block's scale 8 times: a pair's lane scales */
-        if (!xu || !x_dexp) {
-            status = -1;
-        } else {
-            for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
-            for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
-            long chunk = 16; /* output rows per task: blocks of a few kB of weights */
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (long n0 = 0; n0 < N; n0 += chunk)
-                gguf_rows(x_d, x_dexp, x_sums, xq, xu, w, type, y, ldy, S, D, n0, n0 + chunk < N ? n0 + chunk : N, reference);
-        }
-        free(xu), free(x_dexp);
+    if (any_packed) unit_sums(xq, S, D, 32, isums32);
+    if (unit16) unit_sums(xq, S, D, 16, isums16);
+    if (any_plain) {
+        for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
+        for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
     }
-    free(xq), free(x_d), free(x_sums);
+    long column[4] = {0};
+    for (int i = 0; i < n; i++) column[i + 1] = column[i] + rows[i];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < first_task[n]; t++) {
+        int i = 0;
+        while (t >= first_task[i + 1]) i++;
+        const long g = t - first_task[i];
+        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
+        if (packed)
+            packed_rows(x_d, x_sums, pack_unit(base) == 16 ? isums16 : isums32, xq, w[i], base, y + column[i], ldy, S, D,
+                        rows[i], g, g + 1, reference);
+        else
+            gguf_rows(x_d, x_dexp, x_sums, xq, xu, w[i], base, y + column[i], ldy, S, D, g * PACK_ROWS,
+                      (g + 1) * PACK_ROWS < rows[i] ? (g + 1) * PACK_ROWS : rows[i], reference);
+    }
+    status = 0;
+done:
+    free(xq), free(x_d), free(x_sums), free(isums32), free(isums16), free(xu), free(x_dexp);
     return status;
 }
 
 int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
                 int reference) {
-    return gguf_linear_into(x, w, type, y, N, S, N, D, threads, reference);
+    return gguf_parts_into(x, 1, &w, &type, &N, y, N, S, D, threads, reference);
 }
