@@ -279,6 +279,12 @@ class Runner:
             mask = self.mask(q_len, past, hidden.device).repeat(self.n_rep, 1)  # [n_rep S, past + S]
         if fused is not None:
             hidden = hidden.clone(memory_format=torch.contiguous_format)  # the C layers update it in place; the caller's stays
+            ids = list(layer_ids)
+            if all(fused[i] is not None for i in ids):  # every layer in C: one call
+                kv = [cache.reserve(i, past, q_len) for i in ids]  # [1, H_kv, capacity, hd] each
+                smallbatch.layers([fused[i] for i in ids], hidden, cos[0, :, 0], sin[0, :, 0], kv, past)
+                return hidden
+            layer_ids = ids
         for i in layer_ids:
             hidden = self.layer(i, hidden, cache, past, cos, sin, mask, fused)
         return hidden

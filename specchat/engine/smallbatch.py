@@ -50,6 +50,7 @@ _fn = None  # its smallbatch_linear
 _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
 _fn_layer = None  # and smallbatch_layer (a whole decoder layer)
+_fn_layers = None  # and smallbatch_layers (several in one call)
 _fn_gguf = None  # and gguf_linear (GGUFWeights: a GGUF file's own blocks)
 _fn_pack = None  # and gguf_pack, gguf_packed_bytes (GGUFWeights.packed)
 _lock = threading.Lock()
@@ -105,7 +106,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_gguf, _fn_pack
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_layers, _fn_gguf, _fn_pack
     with _lock:
         if _fn is None:
             try:
@@ -124,6 +125,9 @@ def load(folder: Path) -> bool:
             layer.restype = ctypes.c_int
             ptr, long = ctypes.c_void_p, ctypes.c_long  # L, h, S, cos, sin, keys, values, capacity, past, threads
             layer.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, ptr, ptr, ptr, ptr, long, long, ctypes.c_int]
+            layers = lib.smallbatch_layers
+            layers.restype = ctypes.c_int  # L[], n, h, S, cos, sin, keys[], values[], capacity[], past, threads
+            layers.argtypes = [ptr, ctypes.c_int, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.c_int]
             gguf = lib.gguf_linear
             gguf.restype = ctypes.c_int  # x, w, type, y, S, N, D, threads, reference
             gguf.argtypes = [ptr, ptr, ctypes.c_int, ptr, long, long, long, ctypes.c_int, ctypes.c_int]
@@ -131,7 +135,8 @@ def load(folder: Path) -> bool:
             pack.restype, packed_bytes.restype = ctypes.c_int, long  # w, type, N, D, out, threads; type, N, D
             pack.argtypes = [ptr, ctypes.c_int, long, long, ptr, ctypes.c_int]
             packed_bytes.argtypes = [ctypes.c_int, long, long]
-            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_gguf, _fn_pack = lib, fns, layer, gguf, (pack, packed_bytes)
+            _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_layers = lib, fns, layer, layers
+            _fn_gguf, _fn_pack = gguf, (pack, packed_bytes)
     return True
 
 
@@ -421,3 +426,18 @@ def layer(L: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch
                        values.data_ptr(), keys.shape[2], past, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"the fused decoder layer could not run ({S} rows at position {past})")
+
+
+def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+           kv: list[tuple[torch.Tensor, torch.Tensor]], past: int) -> None:
+    """`layer` for each of Ls in turn, layer i's K/V in kv[i] = (keys, values): a forward in one call (a call from
+    Python costs about a seventh of a small model's layer)."""
+    n, S = len(Ls), h.shape[1]
+    structs = (ctypes.c_void_p * n)(*[ctypes.addressof(L) for L in Ls])
+    keys = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv])
+    values = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv])
+    capacity = (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv])
+    status = _fn_layers(structs, n, h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys, values, capacity, past,
+                        torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the fused decoder layers could not run ({S} rows at position {past})")

@@ -304,6 +304,7 @@ def test_pytorch_runs_what_the_c_layer_does_not_take(monkeypatch):
     runner = lean_runner(tiny("llama", tie=False))
     calls = []
     monkeypatch.setattr(smallbatch, "layer", lambda *args: calls.append(args))
+    monkeypatch.setattr(smallbatch, "layers", lambda *args: calls.append(args))
     cache = runner.new_cache()
     runner.step(list(range(17)), cache, 0, keep=1)
     assert calls == []

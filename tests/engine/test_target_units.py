@@ -230,21 +230,20 @@ def test_a_failed_prefill_leaves_what_the_cache_surely_holds(model):
     state = TargetState(model)
     state.start([1, 2, 3])
     state.commit([4])  # the cache holds 1 2 3
-    layer, calls = state.lean.layer, []
+    run, calls = state.lean.run, []
 
-    def failing(i, *args):
-        calls.append(i)
-        if i == 1:  # layer 0 has written its entries for the new positions by now
-            raise KeyboardInterrupt
-        return layer(i, *args)
+    def failing(hidden, layer_ids, cache, past):
+        calls.append(list(layer_ids))
+        run(hidden, [0], cache, past)  # layer 0 writes its entries for the new positions, then the run is interrupted
+        raise KeyboardInterrupt
 
-    state.lean.layer = failing
+    state.lean.run = failing
     with pytest.raises(KeyboardInterrupt):
         state.start([1, 2, 9, 9, 9])
-    assert calls == [0, 1]
+    assert calls == [[0, 1]]
     assert state.tokens == [1, 2, 9] and state.head is None and state.past == 2
     assert lengths(state) == {2} and state.known == 2
-    state.lean.layer = layer
+    state.lean.run = run
     torch.testing.assert_close(state.verify([5]), full(model, [1, 2, 9, 5])[-2:], **CLOSE)
 
 
