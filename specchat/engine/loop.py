@@ -11,7 +11,7 @@ import torch
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
-from specchat.engine.sampling import SamplingParams, logits_to_probs
+from specchat.engine.sampling import SamplingParams, logits_to_probs, top_n
 from specchat.engine.target import Target
 
 TOP_ALTERNATIVES = 5
@@ -73,7 +73,7 @@ def one_hot(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
     """[N, V] -> per row, the most likely (id, prob) pairs, for the token inspector."""
-    values, ids = torch.topk(probs, min(TOP_ALTERNATIVES, probs.shape[-1]), dim=-1)
+    values, ids = top_n(probs, min(TOP_ALTERNATIVES, probs.shape[-1]))
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 

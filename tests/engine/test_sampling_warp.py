@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specchat.engine.sampling import SamplingParams, argmax, logits_to_probs, nucleus, sample
+from specchat.engine.sampling import SamplingParams, argmax, logits_to_probs, nucleus, sample, top_n
 
 
 def test_argmax_of_other_dtypes_any_leading_shape_and_a_tensor_that_needs_grad():
@@ -87,3 +87,19 @@ def test_sample_refuses_a_row_without_mass_with_the_whole_message():
     with pytest.raises(ValueError, match="^" + re.escape("cannot sample from a row without probability mass") + "$"):
         sample(torch.tensor([[0.0, 0.0]]), torch.Generator().manual_seed(0))
 
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_top_n_is_torch_topk_with_ties_to_the_lower_id(n):
+    """The numpy path (vocabularies of 8192 and more) gives torch.topk's values, largest first, and ids that hold them,
+    distinct, the lower id first among equal values: rows with ties (probabilities rounded to 1e-3) and without."""
+    gen = torch.Generator().manual_seed(n)
+    for vocab in (8192, 49152, 151936 + 7):
+        probs = (torch.randn(3, vocab, generator=gen) * 3).softmax(-1)
+        for x in (probs, torch.round(probs * 1e3) / 1e3):
+            values, ids = top_n(x, n)
+            assert torch.equal(values, torch.topk(x, n, dim=-1).values)
+            assert torch.equal(x.gather(-1, ids), values)
+            for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+                assert len(set(row_ids)) == n
+                assert all(a > b or (a == b and i < j) for a, b, i, j in zip(row_values, row_values[1:], row_ids, row_ids[1:]))
