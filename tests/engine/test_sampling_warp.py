@@ -89,7 +89,7 @@ def test_sample_refuses_a_row_without_mass_with_the_whole_message():
 
 
 
-@pytest.mark.parametrize("n", [1, 5, 64])
+@pytest.mark.parametrize("n", [1, 5, 64, 1024])
 def test_top_n_is_torch_topk_with_ties_to_the_lower_id(n):
     """The numpy path (vocabularies of 8192 and more) gives torch.topk's values, largest first, and ids that hold them,
     distinct, the lower id first among equal values: rows with ties (probabilities rounded to 1e-3) and without."""
