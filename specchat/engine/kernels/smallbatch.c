@@ -411,7 +411,7 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
     }
     /* row s of the query heads sharing KV head g attends to positions 0..past+s; work items (s, g) in any order */
     const long items = S * Hkv;
-    const int parallel = threads > 1 && (past + S) * S * H * hd > 65536;
+    const int parallel = threads > 1 && (past + S) * S * H * hd > 16384;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
