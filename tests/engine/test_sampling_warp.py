@@ -81,6 +81,9 @@ def test_sample_never_draws_a_zero_probability_token_at_a_uniform_of_exactly_zer
     it (a search for the first sum >= u would give token 0 here)."""
     monkeypatch.setattr(torch, "rand", lambda shape, **k: torch.zeros(shape, dtype=k.get("dtype") or torch.float32))
     assert sample(torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.0, 1.0, 0.0, 0.0]]), None).tolist() == [2, 1]
+    # and a uniform exactly at a cumulative sum belongs to the next token with mass
+    monkeypatch.setattr(torch, "rand", lambda shape, **k: torch.full(shape, 0.25, dtype=k.get("dtype") or torch.float32))
+    assert sample(torch.tensor([[0.25, 0.0, 0.75]]), None).tolist() == [2]
 
 
 def test_sample_refuses_a_row_without_mass_with_the_whole_message():
@@ -89,17 +92,41 @@ def test_sample_refuses_a_row_without_mass_with_the_whole_message():
 
 
 
+def test_sample_over_the_support_draws_what_the_whole_rows_sums_draw():
+    """The CPU path sums only a row's nonzero entries: the same draws, to the id, as the float64 cumulative sums of
+    the whole row searched for the first sum above u (rows with zeros, a probability too small to move the sum, and
+    a row that sums to less than 1)."""
+    for trial in range(60):
+        gen = torch.Generator().manual_seed(trial)
+        x = (torch.randn(3, 5000, generator=gen) * 4).softmax(-1)
+        x = x * (x > 1e-4 * (trial % 5))
+        x[1] = 0.0
+        x[1, trial] = 1e-30
+        x[1, 4000] = 0.25
+        cdf = x.double().cumsum(-1)
+        total = cdf[:, -1:]
+        got, ref = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        for _ in range(20):
+            u = torch.rand(total.shape, generator=ref, dtype=torch.float64) * total
+            u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+            assert torch.equal(sample(x, got), torch.searchsorted(cdf, u, right=True).squeeze(-1))
+
+
 @pytest.mark.parametrize("n", [1, 5, 64, 1024])
 def test_top_n_is_torch_topk_with_ties_to_the_lower_id(n):
     """The numpy path (vocabularies of 8192 and more) gives torch.topk's values, largest first, and ids that hold them,
-    distinct, the lower id first among equal values: rows with ties (probabilities rounded to 1e-3) and without."""
+    distinct, the lower id first among equal values: rows with ties (probabilities rounded to 1e-3; a nucleus' zeros)
+    and without."""
     gen = torch.Generator().manual_seed(n)
     for vocab in (8192, 49152, 151936 + 7):
         probs = (torch.randn(3, vocab, generator=gen) * 3).softmax(-1)
-        for x in (probs, torch.round(probs * 1e3) / 1e3):
+        nucleus_like = probs * (probs >= probs.topk(3, dim=-1).values[..., -1:])  # 3 tokens, tens of thousands of zeros
+        for x in (probs, torch.round(probs * 1e3) / 1e3, nucleus_like):
             values, ids = top_n(x, n)
             assert torch.equal(values, torch.topk(x, n, dim=-1).values)
             assert torch.equal(x.gather(-1, ids), values)
-            for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+            for row, row_values, row_ids in zip(x, values.tolist(), ids.tolist()):
                 assert len(set(row_ids)) == n
+                last = (row == row_values[-1]).nonzero().flatten().tolist()  # ids holding the n-th value: the lowest taken
+                assert sorted(i for i in row_ids if row[i] == row_values[-1]) == last[: sum(v == row_values[-1] for v in row_values)]
                 assert all(a > b or (a == b and i < j) for a, b, i, j in zip(row_values, row_values[1:], row_ids, row_ids[1:]))
