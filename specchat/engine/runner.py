@@ -178,6 +178,7 @@ class Runner:
         self.n_layers = len(blocks)
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)  # [P, hd]
         self._fused, self._fused_for = None, None  # the C layers' weights, and the blocks they were built for
+        self._layer_args: dict[tuple, smallbatch.LayerArgs] = {}  # their pointers, by the layers a forward runs
 
     @staticmethod
     def _block(layer) -> Block:
@@ -207,6 +208,7 @@ class Runner:
         RoPE tables, shared. A low-rank draft runs this way instead of through HF's forward."""
         other = copy.copy(self)
         other.blocks = [dataclasses.replace(b, mlp=mlps[i]) if i in mlps else b for i, b in enumerate(self.blocks)]
+        other._layer_args = {}
         return other
 
     def with_weights(self, convert) -> "Runner":
@@ -222,6 +224,7 @@ class Runner:
         other = copy.copy(self)
         other.blocks, other.head_w = blocks, head_w
         other._fused = other._fused_for = None
+        other._layer_args = {}
         return other
 
     def streamed(self) -> "Runner":
@@ -282,7 +285,8 @@ class Runner:
             ids = list(layer_ids)
             if all(fused[i] is not None for i in ids):  # every layer in C: one call
                 kv = [cache.reserve(i, past, q_len) for i in ids]  # [1, H_kv, capacity, hd] each
-                smallbatch.layers([fused[i] for i in ids], hidden, cos[0, :, 0], sin[0, :, 0], kv, past)
+                args = self._layer_args.setdefault(tuple(ids), smallbatch.LayerArgs())
+                smallbatch.layers([fused[i] for i in ids], hidden, cos[0, :, 0], sin[0, :, 0], kv, past, args)
                 return hidden
             layer_ids = ids
         for i in layer_ids:

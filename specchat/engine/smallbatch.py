@@ -212,8 +212,8 @@ def linear(x: torch.Tensor, w: "torch.Tensor | Int8Weights", b: torch.Tensor | N
     prompt)."""
     if isinstance(w, (GGUFWeights, GGUFStack)):
         x2 = x.reshape(-1, x.shape[-1])  # [S, D]
-        parts = w.parts if isinstance(w, GGUFStack) else (w,)
-        y = torch.cat([gguf_linear(x2, part) for part in parts], dim=-1).view(*x.shape[:-1], w.shape[0])  # [..., S, N]
+        y = torch.cat([gguf_linear(x2, part) for part in w.parts], dim=-1) if isinstance(w, GGUFStack) else gguf_linear(x2, w)
+        y = y.view(*x.shape[:-1], w.shape[0])  # [..., S, N]
         return y + b if b is not None else y
     if isinstance(w, Int8Weights) or (w.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return _draft_linear(x, w, b)
@@ -341,14 +341,13 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeights, reference: bool = False) -> tor
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [S, D]
     N, D = w.shape
     data, kind = w.kernel_operand()
-    out = []
-    for rows in x2.split(MAX_ROWS):
-        y = torch.empty(rows.shape[0], N, dtype=torch.float32)
-        if _fn_gguf(rows.data_ptr(), data.data_ptr(), kind, y.data_ptr(), rows.shape[0], N, D,
-                    torch.get_num_threads(), int(reference)) != 0:
-            raise ValueError(f"gguf_linear refused {w.type} [{N}, {D}] with {rows.shape[0]} rows")
-        out.append(y)
-    return torch.cat(out)
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32)  # [S, N]
+    for s in range(0, x2.shape[0], MAX_ROWS):
+        rows = min(MAX_ROWS, x2.shape[0] - s)
+        if _fn_gguf(x2[s].data_ptr(), data.data_ptr(), kind, y[s].data_ptr(), rows, N, D, torch.get_num_threads(),
+                    int(reference)) != 0:
+            raise ValueError(f"gguf_linear refused {w.type} [{N}, {D}] with {rows} rows")
+    return y
 
 
 # ---------------------------------------------------------------- a whole decoder layer
@@ -428,15 +427,34 @@ def layer(L: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch
         raise MemoryError(f"the fused decoder layer could not run ({S} rows at position {past})")
 
 
+class LayerArgs:
+    """`layers`' arrays of pointers, kept from one call to the next and built again only when a layer's weights or
+    K/V storage is another object (the storage grows CHUNK positions at a time): building them cost ~40 us a step.
+    What they point at is held with them (kept alive), all in one tuple (a thread sees the old or the new one)."""
+
+    def __init__(self) -> None:
+        self.last: tuple = ([], [], None)  # (Ls, kv, (structs, keys, values, capacity))
+
+    def arrays(self, Ls: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        old_Ls, old_kv, arrays = self.last
+        if (len(Ls) == len(old_Ls) and all(a is b for a, b in zip(Ls, old_Ls))
+                and all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv, old_kv))):
+            return arrays
+        n = len(Ls)
+        arrays = ((ctypes.c_void_p * n)(*[ctypes.addressof(L) for L in Ls]),
+                  (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv]),
+                  (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv]),
+                  (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv]))
+        self.last = (list(Ls), list(kv), arrays)
+        return arrays
+
+
 def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-           kv: list[tuple[torch.Tensor, torch.Tensor]], past: int) -> None:
+           kv: list[tuple[torch.Tensor, torch.Tensor]], past: int, args: LayerArgs | None = None) -> None:
     """`layer` for each of Ls in turn, layer i's K/V in kv[i] = (keys, values): a forward in one call (a call from
-    Python costs about a seventh of a small model's layer)."""
+    Python costs about a seventh of a small model's layer); `args`: the caller's arrays from its last call."""
     n, S = len(Ls), h.shape[1]
-    structs = (ctypes.c_void_p * n)(*[ctypes.addressof(L) for L in Ls])
-    keys = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv])
-    values = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv])
-    capacity = (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv])
+    structs, keys, values, capacity = (args or LayerArgs()).arrays(Ls, kv)
     status = _fn_layers(structs, n, h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys, values, capacity, past,
                         torch.get_num_threads())
     if status != 0:

@@ -293,3 +293,18 @@ def test_int8_weights_round_per_row_and_widen(monkeypatch):
     x = torch.randn(2, 3)
     with torch.inference_mode():
         assert torch.equal(smallbatch.linear(x, q), F.linear(x, q.float()))
+
+
+def test_layer_args_are_built_again_only_for_other_weights_or_other_k_v_storage():
+    """A forward's pointer arrays are reused while every layer's weights and K/V tensors are the same objects, and
+    rebuilt, pointing at the new storage, once one of them is another (a cache that grew)."""
+    Ls = [smallbatch.LayerWeights() for _ in range(3)]
+    kv = [(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)) for _ in range(3)]
+    args = smallbatch.LayerArgs()
+    first = args.arrays(Ls, kv)
+    assert args.arrays(list(Ls), list(kv)) is first
+    grown = (torch.zeros(1, 2, 16, 4), kv[1][1])
+    again = args.arrays(Ls, [kv[0], grown, kv[2]])
+    assert again is not first and again[1][1] == grown[0].data_ptr() and list(again[3]) == [8, 16, 8]
+    assert args.arrays(Ls[:2], kv[:2]) is not again  # another set of layers
+    assert args.arrays([Ls[0], smallbatch.LayerWeights(), Ls[2]], kv)[0][1] != first[0][1]
