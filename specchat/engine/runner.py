@@ -42,6 +42,7 @@ from specchat.engine.smallbatch import MAX_ROWS, draft_weights, linear
 
 FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed at init (dynamic and longrope change with length)
+EMBEDDED_FLOATS = 4_000_000  # a GGUF embedding's rows kept dequantised: 16 MB at most
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,6 +180,7 @@ class Runner:
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)  # [P, hd]
         self._fused, self._fused_for = None, None  # the C layers' weights, and the blocks they were built for
         self._layer_args: dict[tuple, smallbatch.LayerArgs] = {}  # their pointers, by the layers a forward runs
+        self._embedded: dict[int, torch.Tensor] = {}  # rows of a file's embedding, dequantised: [1, 1, D] by id
 
     @staticmethod
     def _block(layer) -> Block:
@@ -263,10 +265,16 @@ class Runner:
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D]."""
-        ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         if isinstance(self.embed_w, smallbatch.GGUFWeights):
-            return self.embed_w.rows(ids)[None]
-        return F.embedding(ids, self.embed_w)
+            if len(ids) == 1:  # a decode step: the row dequantised once (the gguf package took ~40-60 us a row)
+                row = self._embedded.get(ids[0])
+                if row is None:
+                    if len(self._embedded) * self.embed_w.shape[1] >= EMBEDDED_FLOATS:
+                        self._embedded.clear()
+                    row = self._embedded[ids[0]] = self.embed_w.rows(torch.tensor(ids))[None]  # [1, 1, D]
+                return row.clone()  # the caller's to change
+            return self.embed_w.rows(torch.tensor([ids]))[None]
+        return F.embedding(torch.tensor([ids], dtype=torch.long, device=self.device), self.embed_w)
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache: KVCache | None, past: int) -> torch.Tensor:

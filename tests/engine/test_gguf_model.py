@@ -125,6 +125,23 @@ def test_a_k_quant_file_whose_v_differs_in_type_runs_in_c_as_in_pytorch(tmp_path
     assert (in_c - logits(dense, ids)).abs().max() <= 0.05 * scale  # seen: ~1% (x rounded to 8 bits, 2 layers)
 
 
+def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_caller_s_to_change(tmp_path, monkeypatch):
+    """One id at a time (a decode step) the row comes from the runner's own dequantised copy: the gguf package's
+    row to the bit, a fresh tensor each call, and the copies dropped past EMBEDDED_FLOATS."""
+    from specchat.engine import runner as runner_module
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
+    runner = load_runner(tmp_path / "k.gguf")
+    want = runner.embed_w.rows(torch.tensor([7]))[None]  # [1, 1, D]
+    with torch.inference_mode():
+        runner.embed([7]).fill_(0.0)
+    assert torch.equal(runner.embed([7]), want) and torch.equal(runner.embed([3, 7])[:, 1:], want)
+    monkeypatch.setattr(runner_module, "EMBEDDED_FLOATS", 2 * runner.embed_w.shape[1])
+    for i in range(5):
+        assert torch.equal(runner.embed([i]), runner.embed_w.rows(torch.tensor([i]))[None])
+    assert len(runner._embedded) <= 2
+
+
 def test_a_file_the_runner_does_not_read_is_refused_in_one_line(tmp_path):
     path = tmp_path / "other.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
