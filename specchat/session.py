@@ -52,7 +52,7 @@ def drafter_options(model, mode: str, options: dict) -> dict:
             except EngineError as e:  # the drafter's build then says quant is unavailable (auto: not a candidate)
                 log.warning("no %s copy of %s for mode quant: %s", draft_type, model.path.name, e)
         return out
-    if on_lean(model):  # the modes a GGUF file on the lean runner takes (off, suffix, lookup, draft) need no settings saved
+    if on_lean(model):  # a GGUF file on the lean runner: no settings saved (layerskip and earlyexit take their built-in or given ones)
         return out
     setting = TUNABLE.get(mode)
     if setting is not None and out.get(setting) is None:

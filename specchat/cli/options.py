@@ -300,7 +300,7 @@ def _model_options(f, *, draft: bool):
         click.option("--device", default=ModelOptions.device, show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
         *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp", "lean"]), default=ModelOptions.engine, show_default=True,
                         help="What runs the models: llama.cpp (GGUF files on the CPU), lean (GGUF files on the CPU, read in place by specchat's own "
-                             "kernel: modes off, suffix, lookup, draft, auto) or torch. auto, for a .gguf target on the CPU: lean or llama.cpp, "
+                             "kernel: modes off, suffix, lookup, draft, layerskip, earlyexit, auto) or torch. auto, for a .gguf target on the CPU: lean or llama.cpp, "
                              "whichever ran it faster on this CPU (measured once), llama.cpp for a file the lean engine does not read.")]
           if draft else []),
         click.option("--dtype", default=ModelOptions.dtype, show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),

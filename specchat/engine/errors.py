@@ -15,4 +15,4 @@ TORCH_ONLY = {
 }
 
 # the modes a GGUF file on the lean engine (--engine lean) cannot run yet: they build on transformers' modules
-NOT_ON_LEAN = ("layerskip", "earlyexit", "lowrank", "quant", "head")
+NOT_ON_LEAN = ("lowrank", "quant", "head")

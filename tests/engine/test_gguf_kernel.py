@@ -274,17 +274,12 @@ class BlocksConditionals:
             yield seq, logits_to_probs(logits, self.params)
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
-@pytest.mark.slow
-def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken):
-    """A tiny Llama whose every matrix is Q4_1 blocks (dims of 64: whole blocks), drafted by a bigram table with a q of
-    its own, K=3 and draws of K+1 tokens, position by position against the blocks model's exact conditionals: the
-    exact rule passes; a q reported at the wrong temperature from draft position 3 fails there."""
+def q4_1_blocks(layers: int, seed: int = 3):
+    """A tiny Llama whose every matrix is Q4_1 blocks (dims of 64: whole blocks): (the model, a runner on the blocks)."""
     from support.models import tiny_llama
     from specchat.engine.runner import lean_runner
-    from specchat.engine.target import TargetState
 
-    model = tiny_llama(seed=3, layers=2, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
+    model = tiny_llama(seed=seed, layers=layers, hidden_size=64, intermediate_size=64, sharpen=2.0).requires_grad_(False)
 
     def q4_1(w: torch.Tensor) -> GGUFWeights:
         blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q4_1)
@@ -292,15 +287,45 @@ def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken
 
     blocks = lean_runner(model).with_weights(q4_1)
     assert isinstance(blocks.blocks[0].qkv_w, GGUFWeights)
+    return model, blocks
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+@pytest.mark.slow
+def test_sampled_output_on_blocks_follows_the_blocks_model_s_distribution(broken):
+    """A tiny Llama on Q4_1 blocks drafted by a bigram table with a q of its own, K=3 and draws of K+1 tokens, position
+    by position against the blocks model's exact conditionals: the exact rule passes; a q reported at the wrong
+    temperature from draft position 3 fails there."""
+    from specchat.engine.target import TargetState
+
+    model, blocks = q4_1_blocks(layers=2)
     state = TargetState(model)
     state.lean = blocks
     assert_follows_the_runner(state, blocks, model, broken)
 
 
-def assert_follows_the_runner(state, runner, model, broken: bool) -> None:
-    """Draws of K+1 = 4 tokens from `state` (a target on `runner`), drafted by a bigram table of `model` with a q of its
-    own (K=3), tested position by position against the runner's own conditionals: the exact rule passes; with
-    `broken`, a q reported at the wrong temperature from draft position 3 fails there."""
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+@pytest.mark.parametrize("mode, options", [("layerskip", {"skip_layers": [1]}), ("earlyexit", {"exit_layer": 3})])
+@pytest.mark.slow
+def test_self_speculation_on_a_file_read_in_place_follows_its_distribution(mode, options, broken):
+    """layerskip and earlyexit built for a GGUF file read in place (no HF model: the file's runner alone, as --engine
+    lean loads it) on a 4-layer tiny Llama's Q4_1 blocks: the same test, the mode's own drafts."""
+    from types import SimpleNamespace
+
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.target import TargetState
+
+    model, blocks = q4_1_blocks(layers=4)
+    state = TargetState.on_runner(blocks, None)
+    drafter = build_drafter(mode, SimpleNamespace(engine="lean", runner=blocks), **options)
+    assert drafter.decoder is None  # nothing of an HF model
+    assert_follows_the_runner(state, blocks, model, broken, drafter=drafter)
+
+
+def assert_follows_the_runner(state, runner, model, broken: bool, drafter=None) -> None:
+    """Draws of K+1 = 4 tokens from `state` (a target on `runner`), drafted by `drafter` or else a bigram table of
+    `model` with a q of its own (K=3), tested position by position against the runner's own conditionals: the exact
+    rule passes; with `broken`, a q reported at the wrong temperature from draft position 3 fails there."""
     from support.broken import ReportsWrongQ
     from support.exact import ALPHA, PROMPT, assert_drafted_up_to
     from support.models import bigram_draft
@@ -311,7 +336,8 @@ def assert_follows_the_runner(state, runner, model, broken: bool) -> None:
     from specchat.verify import conditional_tests, sample_continuations
 
     params = SamplingParams(1.0)
-    drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
+    if drafter is None:
+        drafter = ModelDrafter(bigram_draft(model, scale=2.0))  # agrees often enough to reach draft position 3
     if broken:
         drafter = ReportsWrongQ(drafter, position=3, factor=0.25)
     stats = Stats()

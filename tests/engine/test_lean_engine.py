@@ -28,22 +28,23 @@ def test_the_default_model_loads_on_the_lean_engine_with_what_a_session_reads(le
 
 @pytest.mark.slow
 def test_every_mode_it_runs_gives_plain_greedy_decoding_s_tokens(lean):
-    """off, lookup, suffix, auto, and draft with the file as its own draft (read in place a second time)."""
+    """off, lookup, suffix, auto, draft with the file as its own draft (read in place a second time), and the
+    self-speculative modes on the file's own runner (layerskip, earlyexit: their built-in settings)."""
     from specchat.session import Session
 
     draft = load_model(None, torch.device("cpu"), torch.float32, engine="lean")
     prompt = "Repeat exactly: the sea is calm, the sea is deep, the sea is calm, the sea is deep."
     replies = {}
-    for mode in ("off", "lookup", "suffix", "auto", "draft"):
+    for mode in ("off", "lookup", "suffix", "auto", "draft", "layerskip", "earlyexit"):
         session = Session(lean, draft, mode=mode, k=3, sampling=SamplingParams(0.0), seed=0, max_new_tokens=40,
                           earlier_sessions=False)
         assert session.info.engine == "lean" and session.info.kernel == "blocks"
         rounds = list(session.reply(prompt))
         replies[mode] = [t.id for r in rounds for t in r.tokens]
-        if mode == "draft":
-            assert any(t.kind == "accepted" for r in rounds for t in r.tokens)  # the draft really drafted
+        if mode in ("draft", "layerskip", "earlyexit"):
+            assert any(t.kind == "accepted" for r in rounds for t in r.tokens), mode  # the draft really drafted
     assert len(replies["off"]) >= 15  # a reply long enough to draft in (it ends at its EOS)
-    for mode in ("lookup", "suffix", "auto", "draft"):
+    for mode in ("lookup", "suffix", "auto", "draft", "layerskip", "earlyexit"):
         assert replies[mode] == replies["off"], mode
 
 
@@ -54,6 +55,6 @@ def test_the_modes_built_on_transformers_modules_are_refused_in_one_line(lean):
     session = Session(lean, mode="auto", seed=0, earlier_sessions=False)
     assert isinstance(session.controls.drafter, AutoDrafter)
     assert set(session.controls.drafter.candidates) <= {"off", "suffix", "lookup", "draft"}
-    for mode in ("quant", "lowrank", "layerskip", "earlyexit", "head"):
+    for mode in ("quant", "lowrank", "head"):
         with pytest.raises(ModeUnavailable, match="not yet on --engine lean"):
             session.set_mode(mode)

@@ -9,7 +9,8 @@ layers, instead of plus a verify of N layers (HF's `assistant_early_exit` keeps 
 recomputes). After acceptance `state.commit` crops every layer to the accepted length.
 
 The layers run through the state's own path: the lean runner's entry points when the target runs on
-it (`state.lean`, whose KVCache is `state.cache`), else Decoder over HF's modules and DynamicCache.
+it (`state.lean`, whose KVCache is `state.cache`; a GGUF file read in place has nothing else), else Decoder over
+HF's modules and DynamicCache.
 After a prefill (`state.head` set, the cache already holding the last prompt token) propose first
 rewinds the state: it feeds that token through layers < E itself.
 
@@ -26,6 +27,7 @@ from specchat.engine.cache import crop_to
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder
+from specchat.engine.gguf_model import on_lean
 from specchat.engine.sampling import argmax, logits_to_probs, sample
 
 
@@ -49,16 +51,19 @@ class EarlyExitDrafter(Drafter):
 
     @classmethod
     def build(cls, target, draft=None, *, exit_layer=None, **options) -> "EarlyExitDrafter":
-        decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures (the lean runner covers a subset)
+        # a GGUF file read in place runs on its runner alone; else Decoder, which raises ModeUnavailable for
+        # unsupported architectures (the lean runner covers a subset)
+        decoder = None if on_lean(target) else Decoder(target)
+        n_layers = target.runner.n_layers if decoder is None else decoder.n_layers
         if exit_layer is None:
-            exit_layer = builtin_exit(decoder.n_layers)
-        if not 1 <= exit_layer < decoder.n_layers:
-            raise ModeUnavailable(f"--exit-layer must be in 1..{decoder.n_layers - 1} for this model, got {exit_layer}")
-        return cls(decoder, exit_layer)
+            exit_layer = builtin_exit(n_layers)
+        if not 1 <= exit_layer < n_layers:
+            raise ModeUnavailable(f"--exit-layer must be in 1..{n_layers - 1} for this model, got {exit_layer}")
+        return cls(decoder, exit_layer, n_layers)
 
-    def __init__(self, decoder: Decoder, exit_layer: int) -> None:
+    def __init__(self, decoder: Decoder | None, exit_layer: int, n_layers: int) -> None:
         self.decoder = decoder
-        self.exit_layer = exit_layer
+        self.exit_layer, self.n_layers = exit_layer, n_layers
         self.reset()
 
     def reset(self) -> None:
@@ -93,7 +98,7 @@ class EarlyExitDrafter(Drafter):
         past = len(state.tokens) - 1
         pending, self.pending = self.pending, None
         dec = self.layers(state)
-        E, n = self.exit_layer, self.decoder.n_layers
+        E, n = self.exit_layer, self.n_layers
         if state.head is not None:  # right after a prefill and no propose of ours (it rewinds): the state's own verify
             return state.verify(draft_ids)
         if draft_ids and pending is not None and (pending.state, pending.past, pending.ids) == (state, past, draft_ids):

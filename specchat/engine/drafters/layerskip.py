@@ -13,7 +13,8 @@ replay models the shared one.
 
 Where the target runs on the lean runner (engine/runner.py) the draft pass runs the kept layers through
 its entry points on a KVCache of its own, and the verify is the state's own (the lean forward of all
-layers). On the HF path the draft pass and the verify run HF's layer modules one by one (Decoder): the
+layers); a GGUF file read in place (--engine lean) has no HF model behind it: the draft runs on the target's
+own runner. On the HF path the draft pass and the verify run HF's layer modules one by one (Decoder): the
 same modules and arithmetic as HF's forward, without its per-call mask and output bookkeeping
 (~1.2x cheaper per step in fp32 on CPU).
 """
@@ -25,6 +26,7 @@ import torch
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder, cache_bytes
 from specchat.engine.drafters.model import ModelDrafter
+from specchat.engine.gguf_model import on_lean
 from specchat.engine.runner import lean_runner
 
 
@@ -50,6 +52,13 @@ class LayerSkipDrafter(ModelDrafter):
 
     @classmethod
     def build(cls, target, draft=None, *, skip_layers=None, **options) -> "LayerSkipDrafter":
+        if on_lean(target):  # the file's runner itself, the kept layers on a cache of the drafter's own
+            runner = target.runner
+            drafter = cls.on_runner(runner)
+            drafter.decoder = None
+            drafter.set_skip(check_skip(list(builtin_skip(runner.n_layers) if skip_layers is None else skip_layers),
+                                        runner.n_layers), runner.n_layers)
+            return drafter
         decoder = Decoder(target)  # raises ModeUnavailable for unsupported architectures
         if skip_layers is None:
             skip_layers = builtin_skip(decoder.n_layers)
@@ -57,9 +66,12 @@ class LayerSkipDrafter(ModelDrafter):
 
     def __init__(self, decoder: Decoder, skip_layers: list[int]) -> None:
         self.decoder = decoder
-        self.skip_layers = skip_layers
-        self.layer_ids = [i for i in range(decoder.n_layers) if i not in set(skip_layers)]
+        self.set_skip(skip_layers, decoder.n_layers)
         super().__init__(decoder.model, lean=lean_runner(decoder.model))  # lean None: the draft runs HF's modules (Decoder)
+
+    def set_skip(self, skip_layers: list[int], n_layers: int) -> None:
+        self.skip_layers = skip_layers
+        self.layer_ids = [i for i in range(n_layers) if i not in set(skip_layers)]
 
     @property
     def extra_bytes(self) -> int:
