@@ -56,9 +56,10 @@ def llama_cpp_plain(model, prompt: list[int], tokens: int) -> tuple[list[int], f
     return out, time.perf_counter() - t0
 
 
-def specchat_run(session: Session, prompt: list[int], tokens: int) -> tuple[list[int], float, dict]:
-    """One generation through the session (the chat's path): (ids, decode tokens per second, rounds by mode).
-    Round 0's first token came with the prefill: the rate counts the tokens of the rounds after it, over their time."""
+def specchat_run(session: Session, prompt: list[int], tokens: int) -> tuple[list[int], float, dict, list[float]]:
+    """One generation through the session (the chat's path): (ids, decode tokens per second, rounds by mode, [rounds,
+    drafted, accepted, draft seconds, verify seconds]). Round 0's first token came with the prefill: the rate counts
+    the tokens of the rounds after it, over their time."""
     session.max_new_tokens = tokens
     records = list(session.complete(prompt))
     ids = [t.id for r in records for t in r.tokens]
@@ -66,7 +67,8 @@ def specchat_run(session: Session, prompt: list[int], tokens: int) -> tuple[list
     modes: dict[str, int] = {}
     for r in records[1:]:
         modes[r.mode] = modes.get(r.mode, 0) + 1
-    return ids, made / sum(r.wall_s for r in records[1:]), modes
+    totals = [len(records) - 1, *(sum(getattr(r, f) for r in records[1:]) for f in ("drafted", "accepted", "draft_s", "verify_s"))]
+    return ids, made / sum(r.wall_s for r in records[1:]), modes, totals
 
 
 def tool_tok_s(cmd: list[str]) -> float | None:
@@ -141,6 +143,7 @@ def main() -> None:
     tok_s: dict[str, list[float]] = {n: [] for n in names}
     ratio: dict[str, list[float]] = {n: [] for n in names}
     used: dict[str, dict] = {n: {} for n in sessions}
+    totals: dict[str, list[float]] = {n: [0.0] * 5 for n in sessions}  # rounds, drafted, accepted, draft s, verify s
     same: dict[str, list[bool]] = {n: [] for n in sessions}  # greedy output = llama.cpp's own plain loop's
     same_off: dict[str, list[bool]] = {n: [] for n in sessions}  # = specchat's mode off on llama.cpp (same cache reuse)
     for rep in range(args.reps):
@@ -155,7 +158,8 @@ def main() -> None:
                 order.reverse()  # neither side always runs first
             outputs = {}
             for name in order:
-                out, rate, modes = specchat_run(sessions[name], prompt, args.tokens)
+                out, rate, modes, counts = specchat_run(sessions[name], prompt, args.tokens)
+                totals[name] = [a + b for a, b in zip(totals[name], counts)]
                 tok_s[name].append(rate)
                 ratio[name].append(rate / base)
                 for m, n in modes.items():
@@ -191,6 +195,15 @@ def main() -> None:
         identical_off = f"{sum(same_off[n])}/{len(same_off[n])}" if same_off.get(n) else ""
         print(f"{n:26} {statistics.median(tok_s[n]):15.1f} {statistics.median(r):14.2f}x ({min(r):.2f}-{max(r):.2f})"
               f"     {identical:>6} {identical_off:>6}   {used.get(n, '')}")
+    print("\nper drafting configuration: acceptance (accepted / drafted), a draft token's cost and a verify's, in plain steps "
+          "(the same engine's mode off at that temperature: its verify time a round)")
+    for n, (rounds, drafted, accepted, draft_s, verify_s) in totals.items():
+        off = n.split()[0] + " off " + n.split()[-1]
+        if not drafted or off not in totals or not totals[off][0]:
+            continue
+        step = totals[off][4] / totals[off][0]
+        print(f"{n:26} acceptance {accepted / drafted:.2f} ({int(drafted)} drafted in {int(rounds)} rounds); "
+              f"a draft token {draft_s / drafted / step:.2f} steps; a verify {verify_s / rounds / step:.2f} steps")
 
 
 if __name__ == "__main__":

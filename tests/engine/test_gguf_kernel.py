@@ -224,8 +224,11 @@ def test_the_runner_on_the_file_s_blocks_is_the_float32_model_within_x_s_roundin
 
 @pytest.mark.slow
 def test_on_the_blocks_a_position_s_logits_are_the_same_bits_fed_alone_or_with_others(smol, block_runners):
+    """Also past 16 positions (a prompt): the runner feeds them through the C layers 16 at a time."""
     _, blocks = block_runners
-    ids = smol.raw_ids("One, two, three, four, five, six")
+    ids = smol.raw_ids("One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, thirteen, fourteen, "
+                       "fifteen, sixteen, seventeen")
+    assert len(ids) > 2 * smallbatch.MAX_ROWS
     with torch.inference_mode():
         together = blocks.forward(ids, range(blocks.n_layers), blocks.new_cache(), 0, keep=len(ids))
         cache, alone = blocks.new_cache(), []
