@@ -333,6 +333,37 @@ static inline float sexp(float x) {
     return vexp(v)[0];
 }
 
+#define HEADS (LANES == 16 ? 4 : 2) /* query heads a pass over the values takes: 4 vectors of sums each, in registers */
+
+/* out[m, hd] = p[m, n] V / sum[m] for m <= HEADS heads in one pass over the values, each head's sums in the order of a
+   pass of its own (key after key): several heads' independent sums hide the latency of one head's */
+static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const float *v, long hd,
+                                                                const float *sum, float *out, const long m) {
+    long d = 0;
+    for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of each head's output stay in registers over all keys */
+        vec acc[HEADS][4] = {{{0}}};
+        for (long j = 0; j < n; j++) {
+            vec vj[4];
+            for (int c = 0; c < 4; c++) vj[c] = load(v + j * hd + d + c * LANES);
+#pragma GCC unroll 4
+            for (long a = 0; a < m; a++)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) acc[a][c] += p[a * n + j] * vj[c];
+        }
+        for (long a = 0; a < m; a++)
+            for (int c = 0; c < 4; c++) {
+                const vec y = acc[a][c] / sum[a];
+                memcpy(out + a * hd + d + c * LANES, &y, sizeof y);
+            }
+    }
+    for (; d < hd; d++)
+        for (long a = 0; a < m; a++) {
+            float acc = 0.0f;
+            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], v[j * hd + d], acc);
+            out[a * hd + d] = acc / sum[a];
+        }
+}
+
 /* out[r, hd] = softmax(scale * q_a . K[0..n-1]) V for the r query heads a that share one KV head (rows of stride
    hd): each key and value is read once for all r. p: r * (n + 1) floats of scratch. Head a's sums run in the same
    order whatever r is. */
@@ -343,10 +374,18 @@ static void attend(const float *q, long r, const float *k, const float *v, long 
         for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, k + j * hd, hd);
     for (long a = 0; a < r; a++) {
         float *pa = p + a * n, m = -INFINITY;
-        for (long j = 0; j < n; j++) m = pa[j] > m ? pa[j] : m;
-        vec total = {0};
         long j = 0;
-        for (; j + LANES <= n; j += LANES) {
+        if (n >= LANES) { /* the largest score in LANES lanes (a serial max, a chain of 4-cycle steps, was a fifth of attend) */
+            vec big = load(pa);
+            for (j = LANES; j + LANES <= n; j += LANES) {
+                const vec v = load(pa + j);
+                big = vselect(v > big, v, big);
+            }
+            for (int l = 0; l < LANES; l++) m = big[l] > m ? big[l] : m;
+        }
+        for (; j < n; j++) m = pa[j] > m ? pa[j] : m;
+        vec total = {0};
+        for (j = 0; j + LANES <= n; j += LANES) {
             vec e = vexp(load(pa + j) - m);
             memcpy(pa + j, &e, sizeof e);
             total += e;
@@ -355,24 +394,15 @@ static void attend(const float *q, long r, const float *k, const float *v, long 
         for (; j < n; j++) t += pa[j] = sexp(pa[j] - m);
         sum[a] = t;
     }
-    for (long a = 0; a < r; a++) {
-        const float *pa = p + a * n;
-        float *o = out + a * hd;
-        long d = 0;
-        for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of the output stay in registers over all keys */
-            vec acc[4] = {0};
-            for (long j = 0; j < n; j++)
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) acc[c] += pa[j] * load(v + j * hd + d + c * LANES);
-            for (int c = 0; c < 4; c++) {
-                const vec y = acc[c] / sum[a];
-                memcpy(o + d + c * LANES, &y, sizeof y);
-            }
-        }
-        for (; d < hd; d++) {
-            float acc = 0.0f;
-            for (long j = 0; j < n; j++) acc = __builtin_fmaf(pa[j], v[j * hd + d], acc);
-            o[d] = acc / sum[a];
+    for (long a = 0; a < r; a += HEADS) {
+        const long m = r - a < HEADS ? r - a : HEADS;
+        switch (m) { /* a constant count of heads keeps their sums in registers */
+        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1); break;
+        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2); break;
+#if HEADS > 2
+        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3); break;
+        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4); break;
+#endif
         }
     }
 }
