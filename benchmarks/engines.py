@@ -30,9 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from specchat import threads  # noqa: E402
+from specchat import heap, threads  # noqa: E402
 
 threads.prepare_process()  # OpenMP waits as specchat's own commands wait when llama.cpp runs the models
+heap.keep_freed_pages()  # and the heap keeps freed pages, as in the specchat command
 threads.prepare_for_llama_cpp()  # (the torch row runs with that spin too: 12% slower than torch's own, section 9)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

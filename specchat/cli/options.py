@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from specchat import threads
+from specchat import heap, threads
 from specchat.engine import gguf_header
 from specchat.engine.errors import NOT_ON_LEAN, TORCH_ONLY
 from specchat.engine.sampling_params import SamplingParams
@@ -75,10 +75,11 @@ def user_errors():
 
 
 def prepare_process() -> None:
-    """Called first by the `specchat` command, before anything imports torch: how OpenMP threads wait (threads.py)
-    and what Ctrl+C does."""
+    """Called first by the `specchat` command, before anything imports torch: how OpenMP threads wait (threads.py),
+    how the heap keeps freed pages (heap.py) and what Ctrl+C does."""
     if "torch" not in sys.modules:
         threads.prepare_process()
+        heap.keep_freed_pages()
         signal.signal(signal.SIGINT, _on_ctrl_c)
 
 
