@@ -89,8 +89,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             break
     drop = (mass - kept) >= top_p  # the mass strictly before the token already reaches top_p
     kept = kept.masked_fill(drop, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, kept)
-    return probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))  # renormalised over the n only
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
