@@ -1,8 +1,7 @@
 """glibc's heap for a decode loop: each round allocates and frees a few vocabulary-wide tensors (0.2-3 MB: logits,
 probabilities, their copies), and glibc's default thresholds (its mmap threshold following the largest block freed,
 the heap's top handed back to the system past twice that) returned those pages and faulted them in again round after
-round: 56 page faults a round greedy and 182 at T=0.7 on the default model (lean engine). Fixed thresholds keep them;
-the default model decoded 1.04x faster greedy, 1.08x at T=0.7 (benchmarks/RESULTS.md section 38)."""
+round, a cost a small model's step notices. Fixed thresholds keep them mapped."""
 
 from __future__ import annotations
 

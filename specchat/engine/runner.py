@@ -266,7 +266,7 @@ class Runner:
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D]."""
         if isinstance(self.embed_w, smallbatch.GGUFWeights):
-            if len(ids) == 1:  # a decode step: the row dequantised once (the gguf package took ~40-60 us a row)
+            if len(ids) == 1:  # a decode step: each id's row dequantised once (the gguf package's call is slow)
                 row = self._embedded.get(ids[0])
                 if row is None:
                     if len(self._embedded) * self.embed_w.shape[1] >= EMBEDDED_FLOATS:
@@ -287,7 +287,7 @@ class Runner:
             # a prompt on a file's blocks: MAX_ROWS positions at a time through the C layers, so each gets the bits
             # it gets fed alone (PyTorch's layers round differently, and x's rounding to int8 makes that visible: a
             # mode that feeds the prompt's last token again, earlyexit, decoded other replies than plain decoding);
-            # also 0.8x the time of PyTorch's layers here. On float32 weights PyTorch's GEMM is 2x faster than this.
+            # also faster than PyTorch's layers on blocks. On float32 weights PyTorch's GEMM is faster: it keeps those.
             layer_ids = list(layer_ids)
             return torch.cat([self.run(hidden[:, s : s + MAX_ROWS], layer_ids, cache, past + s)
                               for s in range(0, q_len, MAX_ROWS)], dim=1)

@@ -429,7 +429,8 @@ def layer(L: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch
 
 class LayerArgs:
     """`layers`' arrays of pointers, kept from one call to the next and built again only when a layer's weights or
-    K/V storage is another object (the storage grows CHUNK positions at a time): building them cost ~40 us a step.
+    K/V storage is another object (the storage grows CHUNK positions at a time): building them each step cost a
+    visible share of a small model's step.
     What they point at is held with them (kept alive), all in one tuple (a thread sees the old or the new one)."""
 
     def __init__(self) -> None:

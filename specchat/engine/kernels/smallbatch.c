@@ -266,7 +266,7 @@ static inline float hsum_tree(vec v) {
 
 /* y = w * (x / sqrt(mean(x^2) + eps)), HF's LlamaRMSNorm in float32 */
 static void rms_norm(const float *x, const float *w, float eps, float *y, long n) {
-    vec acc[4] = {{0}}; /* the squares in 4 LANES-wide sums: one serial sum cost ~0.9 ns a value, on one thread */
+    vec acc[4] = {{0}}; /* the squares in 4 LANES-wide sums: one serial sum is a chain of dependent adds */
     long i = 0;
     for (; i + 4 * LANES <= n; i += 4 * LANES)
         for (int c = 0; c < 4; c++) acc[c] += load(x + i + c * LANES) * load(x + i + c * LANES);
@@ -375,7 +375,7 @@ static void attend(const float *q, long r, const float *k, const float *v, long 
     for (long a = 0; a < r; a++) {
         float *pa = p + a * n, m = -INFINITY;
         long j = 0;
-        if (n >= LANES) { /* the largest score in LANES lanes (a serial max, a chain of 4-cycle steps, was a fifth of attend) */
+        if (n >= LANES) { /* the largest score in LANES lanes (a serial max is a chain of dependent steps) */
             vec big = load(pa);
             for (j = LANES; j + LANES <= n; j += LANES) {
                 const vec v = load(pa + j);
@@ -662,8 +662,8 @@ static void quantize_rows(const float *x, long S, long D, signed char *q, float 
         float amax = 0.0f;
         int total = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        /* the same numbers as the loops below, a block in two registers (the loops cost ~0.8 ns a value, on one
-           thread while the others wait) */
+        /* the same numbers as the loops below, a block in two registers (the loops were slow, on one thread while
+           the others wait) */
         const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
         amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         const float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
