@@ -48,7 +48,7 @@ def draw_next(
             dist = p[n]
     if greedy:
         return int(argmax(dist))
-    return int(sample((dist / dist.sum()).unsqueeze(0), generator))
+    return int(sample(dist.unsqueeze(0), generator))  # (sample takes a row of any total)
 
 
 class ExactRule:

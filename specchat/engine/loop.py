@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -11,7 +12,7 @@ import torch
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
-from specchat.engine.sampling import SamplingParams, logits_to_probs, top_n
+from specchat.engine.sampling import SamplingParams, log_normaliser, logits_to_probs, top_n
 from specchat.engine.target import Target
 
 TOP_ALTERNATIVES = 5
@@ -68,6 +69,8 @@ def clock(device: torch.device) -> float:
 
 def one_hot(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[K] ids -> [K, V] float32: the q of a deterministic drafter."""
+    if ids.numel() == 0:  # a plain round (scatter_ costs more than the empty tensor)
+        return torch.zeros(0, vocab_size, device=ids.device)
     return torch.zeros(ids.numel(), vocab_size, device=ids.device).scatter_(1, ids[:, None], 1.0)
 
 
@@ -75,6 +78,20 @@ def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]
     """[N, V] -> per row, the most likely (id, prob) pairs, for the token inspector."""
     values, ids = top_n(probs, min(TOP_ALTERNATIVES, probs.shape[-1]))
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def unwarped_alternatives(logits: torch.Tensor, ids: list[int]) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+    """[E, V] logits, E ids -> the model's own probability of each id and its most likely (id, prob) pairs, for the
+    inspector: the softmax's normaliser and the top logits give them without writing the softmax's rows."""
+    log_z = log_normaliser(logits).tolist()  # [E]
+    at = logits[torch.arange(len(ids)), torch.tensor(ids)].tolist()  # [E]
+    values, top_ids = top_n(logits, min(TOP_ALTERNATIVES, logits.shape[-1]))  # [E, n]
+    probs = [math.exp(x - z) for x, z in zip(at, log_z)]
+    tops = [
+        tuple((i, math.exp(v - z)) for i, v in zip(row_ids, row_values))
+        for row_ids, row_values, z in zip(top_ids.tolist(), values.tolist(), log_z)
+    ]
+    return probs, tops
 
 
 def generate(
@@ -156,7 +173,7 @@ def generate(
             prefill_s=prefill_s if round_index == 0 else 0.0,
             expected_tokens=1.0 + float(torch.cumprod(verdict.accept_probs[:judged].float(), 0).sum()) if judged else 1.0,
         )
-        raw = p if params == UNWARPED else logits[: len(new)].float().softmax(-1)  # [E, V]: the inspector's
+        raw = None if params == UNWARPED else logits[: len(new)].float().contiguous()  # [E, V]: the inspector's
         record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy)
         record.wall_s = time.perf_counter() - t0
         chooser.observe(record)
@@ -177,7 +194,8 @@ def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy) 
     # a greedy p is one-hot at the token itself: no top-k over the vocabulary needed (each costs ~0.1 ms)
     top_p = [((tok, 1.0),) for tok in new] if greedy else top_alternatives(p[: len(new)])
     top_q = top_alternatives(q[:drafted]) if drafted else []
-    raw_x, top_raw = raw[torch.arange(len(new), device=p.device), ids].tolist(), top_alternatives(raw[: len(new)])
+    # raw: the model's own logits [E, V], or None when p is them unwarped
+    raw_x, top_raw = (p_x, top_p) if raw is None else unwarped_alternatives(raw, new)
     acc = accept_probs.tolist()
     events = []
     for i, tok in enumerate(new):

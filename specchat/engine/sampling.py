@@ -3,9 +3,12 @@ draft sampled from, or a p without the same warpers, silently biases the output)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
+from specchat.engine import smallbatch
 from specchat.engine.sampling_params import SamplingParams  # noqa: F401 (re-exported: most callers import it from here)
 
 
@@ -25,7 +28,15 @@ def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     on the reference CPU (a round of a ~4 ms step takes one to three), this a half to a third of that; the top
     1024, 500 us against 100."""
     vocab = x.shape[-1]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or vocab < max(8192, 8 * n):
+    kernels = smallbatch.row_kernels(x)
+    if kernels is not None and n <= TOP_IN_C and vocab >= n:
+        found = _top_in_c(kernels, x, n)
+        if found is not None:
+            return found
+    if vocab < max(8192, 8 * n):  # a stable sort, for the order of ties (torch.topk's is its own)
+        values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values[..., :n], ids[..., :n]
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
         return torch.topk(x, n, dim=-1)
     rows = x.detach().reshape(-1, vocab).numpy()
     groups = max(4 * n, 512)  # group j: ids j, j + groups, j + 2 groups, ... (an elementwise max of slices: fast)
@@ -40,6 +51,23 @@ def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     values = np.take_along_axis(rows, ids, axis=-1)
     shape = (*x.shape[:-1], n)
     return torch.from_numpy(values).reshape(shape), torch.from_numpy(ids).reshape(shape)
+
+
+TOP_IN_C = 64  # the largest n the row kernel takes: it keeps its list sorted by insertion, n steps at worst each
+
+
+def _top_in_c(kernels, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """top_n by the row kernel: one pass a row, a vector of values looked at only when one beats the n-th so far.
+    None for a row with NaNs (torch.topk's order for them is its own)."""
+    vocab = x.shape[-1]
+    rows = x.reshape(-1, vocab)  # [R, V]
+    values, ids = torch.empty(len(rows), n), torch.empty(len(rows), n, dtype=torch.int64)  # [R, n]
+    for r in range(len(rows)):
+        at = 4 * vocab * r
+        if kernels.top(rows.data_ptr() + at, vocab, n, ids.data_ptr() + 8 * n * r, values.data_ptr() + 4 * n * r) < n:
+            return None
+    shape = (*x.shape[:-1], n)
+    return values.view(shape), ids.view(shape)
 
 
 def _first_equal(row: np.ndarray, value: float, n: int) -> np.ndarray:
@@ -62,14 +90,44 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
-    logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = top_n(logits, params.top_k)[0][..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    kernels = smallbatch.row_kernels(logits.contiguous())
+    if kernels is not None:
+        return _probs_in_c(kernels, logits.contiguous(), params)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         probs = nucleus(probs, params.top_p)
     return probs
+
+
+def _probs_in_c(kernels, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits_to_probs by the row kernel, a call a row: softmax(x / t) over e^((x - max) / t), and the nucleus sorting
+    only the entries above a cut that falls until their mass reaches top_p (its float64 sums in the sorted order)."""
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)  # [R, V]
+    out = torch.empty_like(rows)  # [R, V]
+    for r in range(len(rows)):
+        at = 4 * vocab * r
+        if kernels.probs(rows.data_ptr() + at, vocab, params.temperature, params.top_p, out.data_ptr() + at) < 0:
+            raise ValueError("a row of logits without probability mass")
+    return out.view(logits.shape)
+
+
+def log_normaliser(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] float64 log sum_i e^x_i: the model's own softmax at any id is e^(x - this), without writing it."""
+    kernels = smallbatch.row_kernels(logits)
+    if kernels is None:
+        return torch.logsumexp(logits.double(), dim=-1)
+    vocab = logits.shape[-1]
+    out = []
+    for r in range(len(logits)):
+        at = logits.data_ptr() + 4 * vocab * r
+        m = kernels.max(at, vocab)
+        total = kernels.exp_sum(at, vocab, m, 1.0, None)
+        out.append(m + math.log(total) if total > 0 else -math.inf)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 NUCLEUS_SIZES = (64, 1024)  # the top-n tried before sorting the whole vocabulary
@@ -96,6 +154,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     uniform a row through the row's cumulative sum, in float64. torch.multinomial takes ~1 ms for one draw over a
     49k vocabulary on the reference CPU, this ~0.05 ms, and a round draws up to K + 1 times. A token of
     probability 0 is never drawn: u < the row's total, and the first cumulative sum above u is a step up."""
+    kernels = smallbatch.row_kernels(probs)
+    if kernels is not None:
+        return _sample_in_c(kernels, probs, generator)
     if probs.device.type == "cpu" and probs.dtype == torch.float32 and not probs.requires_grad:
         return _sample_support(probs, generator)
     cdf = probs.double().cumsum(-1)  # [N, V]
@@ -120,3 +181,15 @@ def _sample_support(probs: torch.Tensor, generator: torch.Generator | None) -> t
     u = torch.rand((len(rows), 1), generator=generator, dtype=torch.float64).numpy()[:, 0] * total
     u = np.minimum(u, np.nextafter(total, 0.0))  # u * total may round up to total
     return torch.tensor([ids[np.searchsorted(cdf, x, side="right")] for ids, cdf, x in zip(support, cdfs, u)])
+
+
+def _sample_in_c(kernels, probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample` by the row kernel: the same uniforms and float64 sums in id order, so the same draws to the bit, with
+    the vectors of zeros around a nucleus skipped."""
+    vocab = probs.shape[-1]
+    rows = probs.reshape(-1, vocab)  # [N, V]
+    u = torch.rand((len(rows), 1), generator=generator, dtype=torch.float64)[:, 0].tolist()
+    ids = [kernels.draw(rows.data_ptr() + 4 * vocab * r, vocab, u[r]) for r in range(len(rows))]
+    if min(ids) < 0:
+        raise ValueError("cannot sample from a row without probability mass")
+    return torch.tensor(ids)

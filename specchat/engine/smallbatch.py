@@ -45,6 +45,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 enabled = os.environ.get("SPECCHAT_KERNEL", "fused") != "torch"  # benchmarks flip it to compare in one process
 layers_enabled = True  # whether `layer` runs (benchmarks flip it to compare the C layer with PyTorch's)
+rows_enabled = True  # whether sampling takes the row kernels (tests flip it to compare them with numpy's and torch's)
 _lib: ctypes.CDLL | None = None
 _fn = None  # its smallbatch_linear
 _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
@@ -53,6 +54,7 @@ _fn_layer = None  # and smallbatch_layer (a whole decoder layer)
 _fn_layers = None  # and smallbatch_layers (several in one call)
 _fn_gguf = None  # and gguf_linear (GGUFWeights: a GGUF file's own blocks)
 _fn_pack = None  # and gguf_pack, gguf_packed_bytes (GGUFWeights.packed)
+rows: "RowKernels | None" = None  # and the passes over a row of the vocabulary (sampling.py)
 _lock = threading.Lock()
 
 
@@ -106,7 +108,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_layers, _fn_gguf, _fn_pack
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_layers, _fn_gguf, _fn_pack, rows
     with _lock:
         if _fn is None:
             try:
@@ -137,7 +139,43 @@ def load(folder: Path) -> bool:
             packed_bytes.argtypes = [ctypes.c_int, long, long]
             _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_layers = lib, fns, layer, layers
             _fn_gguf, _fn_pack = gguf, (pack, packed_bytes)
+            rows = RowKernels.of(lib)
     return True
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """The library's passes over one row of a vocabulary, for sampling.py (see their comments in the source)."""
+
+    top: ctypes._CFuncPtr  # (x, V, n, ids, vals) -> how many found: the n largest, ties to the lower id
+    max: ctypes._CFuncPtr  # (x, V) -> max
+    exp_sum: ctypes._CFuncPtr  # (x, V, m, t, e) -> sum of e^((x - m) / t) in float64, the terms into e (or NULL)
+    probs: ctypes._CFuncPtr  # (x, V, t, top_p, p) -> nonzero count, -1 without mass: softmax(x / t), then the nucleus
+    draw: ctypes._CFuncPtr  # (p, V, u) -> the id u in [0, 1) draws by float64 cumulative sums, -1 without mass
+
+    @staticmethod
+    def of(lib: ctypes.CDLL) -> "RowKernels":
+        ptr, long, f32, f64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_double
+        signatures = {
+            "row_top": (ctypes.c_int, [ptr, long, ctypes.c_int, ptr, ptr]),
+            "row_max": (f32, [ptr, long]),
+            "row_exp_sum": (f64, [ptr, long, f32, f32, ptr]),
+            "row_probs": (long, [ptr, long, f32, f32, ptr]),
+            "row_draw": (long, [ptr, long, f64]),
+        }
+        fns = []
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            fns.append(fn)
+        return RowKernels(*fns)
+
+
+def row_kernels(x: torch.Tensor) -> RowKernels | None:
+    """The row kernels, where they take x: float32 rows on the CPU, contiguous, without autograd."""
+    if rows is None or not rows_enabled or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return rows if x.is_contiguous() and not x.requires_grad else None
 
 
 def kernel_name() -> str:

@@ -121,6 +121,18 @@ def test_sampled_output_matches_target_distribution(tiny_target, rough_draft, ca
 
 
 @pytest.mark.slow
+def test_sampled_output_matches_target_distribution_without_the_row_kernels(tiny_target, rough_draft, monkeypatch):
+    """The library path the C row kernels replace where no compiler builds them (numpy's top-n and draw, torch's
+    softmax): its nucleus and draws preserve the distribution too."""
+    from specchat.engine import smallbatch
+
+    monkeypatch.setattr(smallbatch, "rows_enabled", False)
+    fit, stats = sample_and_fit(tiny_target, ModelDrafter(rough_draft), SAMPLING_CASES["topp0.8"], k=3, draws=DRAWS)
+    assert_drafted_up_to(stats, 3)
+    assert len(fit.positions) == 4 and fit.passed(ALPHA), fit
+
+
+@pytest.mark.slow
 def test_long_drafts_position_by_position(tiny_target, rough_draft):
     params = SamplingParams(1.0)
     fit, stats = sample_and_fit(tiny_target, ModelDrafter(rough_draft), params, k=5, draws=DRAWS, seed=3)

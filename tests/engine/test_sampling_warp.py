@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from specchat.engine import smallbatch
 from specchat.engine.sampling import SamplingParams, argmax, logits_to_probs, nucleus, sample, top_n
+
+
+@pytest.fixture(autouse=True, params=["row kernels", "numpy and torch"])
+def paths(request, monkeypatch):
+    """Every contract here holds on both paths: the C row kernels (where the library is built) and without them."""
+    monkeypatch.setattr(smallbatch, "rows_enabled", request.param == "row kernels")
 
 
 def test_argmax_of_other_dtypes_any_leading_shape_and_a_tensor_that_needs_grad():
@@ -51,12 +58,25 @@ def test_nucleus_drops_a_token_whose_mass_before_is_exactly_top_p():
     torch.testing.assert_close(nucleus(probs, 0.75), torch.tensor([[2 / 3, 1 / 3, 0.0]]))
 
 
+def test_a_token_whose_mass_before_is_exactly_top_p_is_dropped_from_logits():
+    """The same boundary from logits, as logits_to_probs (and the row kernel) sees it: four equal tokens (e^0 = 1
+    exactly) among masked ones, top-p 0.5: the third has exactly half the mass before it."""
+    logits = torch.full((1, 100), float("-inf"))
+    logits[0, 10:14] = 0.0
+    probs = logits_to_probs(logits, SamplingParams(1.0, top_p=0.5))
+    assert probs[0, 10:12].tolist() == [0.5, 0.5] and probs.sum() == 1.0 and not probs[0, 12:].any()
+
+
 def test_nucleus_sorts_only_the_smallest_top_n_that_holds_top_p(monkeypatch):
     """200 ids, the top 64 at 2^-7 each (exactly 0.5 in all) and 136 sharing the other half: top-p 0.5 is reached
-    by the top 64 (>=, at equality), so only they are sorted; top-p 0.6 needs the whole vocabulary."""
+    by the top 64 (>=, at equality), so only they are sorted; top-p 0.6 needs the whole vocabulary (the path without
+    the row kernels, which do their own cut: tests/engine/test_row_kernels.py)."""
+    from specchat.engine import sampling
+
+    monkeypatch.setattr(smallbatch, "rows_enabled", False)
     sizes = []
-    topk = torch.topk
-    monkeypatch.setattr(torch, "topk", lambda x, n, *a, **k: sizes.append(n) or topk(x, n, *a, **k))
+    top = sampling.top_n
+    monkeypatch.setattr(sampling, "top_n", lambda x, n: sizes.append(n) or top(x, n))
     probs = torch.cat([torch.full((64,), 2.0 ** -7), torch.full((136,), 0.5 / 136)])[None]
     out = nucleus(probs, 0.5)
     assert sizes == [64] and torch.equal(out[0, :64], torch.full((64,), 1 / 64)) and not out[0, 64:].any()
@@ -84,6 +104,9 @@ def test_sample_never_draws_a_zero_probability_token_at_a_uniform_of_exactly_zer
     # and a uniform exactly at a cumulative sum belongs to the next token with mass
     monkeypatch.setattr(torch, "rand", lambda shape, **k: torch.full(shape, 0.25, dtype=k.get("dtype") or torch.float32))
     assert sample(torch.tensor([[0.25, 0.0, 0.75]]), None).tolist() == [2]
+    long_row = torch.zeros(1, 100)
+    long_row[0, 40], long_row[0, 70] = 0.25, 0.75  # (past the row kernel's first vectors)
+    assert sample(long_row, None).tolist() == [70]
 
 
 def test_sample_refuses_a_row_without_mass_with_the_whole_message():

@@ -1439,3 +1439,161 @@ int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long
                 int reference) {
     return gguf_parts_into(x, 1, &w, &type, &N, y, N, S, D, threads, reference);
 }
+
+/* ---- Rows of a vocabulary: sampling's passes over one row of logits or probabilities ----
+   A round's warping, draw and token inspector took ~15 library passes over a 49k row, each from caches the forward
+   had just swept; here each is one call. Probabilities are nonnegative, NaN never enters a top list. */
+
+static inline int any_above(vec v, float t) { /* whether some lane of v is > t */
+#if defined(__AVX512F__)
+    __m512 m;
+    memcpy(&m, &v, sizeof v);
+    return _mm512_cmp_ps_mask(m, _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX__)
+    __m256 m;
+    memcpy(&m, &v, sizeof v);
+    return _mm256_movemask_ps(_mm256_cmp_ps(m, _mm256_set1_ps(t), _CMP_GT_OQ)) != 0;
+#else
+    for (int l = 0; l < LANES; l++)
+        if (v[l] > t) return 1;
+    return 0;
+#endif
+}
+
+/* x into the sorted top list vals/ids (have < n, or full: x displaces the last), after the values >= x: a later equal
+   value never displaces an earlier one, so ties keep the lower id first */
+static inline int top_insert(float *vals, long *ids, int have, int n, float x, long id) {
+    int j = have < n ? have++ : n - 1;
+    for (; j > 0 && vals[j - 1] < x; j--) vals[j] = vals[j - 1], ids[j] = ids[j - 1];
+    vals[j] = x, ids[j] = id;
+    return have;
+}
+
+/* the n largest of x[V] and their ids, largest first, ties to the lower id (torch.topk's order); a vector of LANES
+   values is looked at only when one beats the n-th so far. Returns how many it found (n, unless x has NaNs) */
+int row_top(const float *x, long V, int n, long *ids, float *vals) {
+    int have = 0;
+    long i = 0;
+    for (; i < V && have < n; i++)
+        if (x[i] == x[i]) have = top_insert(vals, ids, have, n, x[i], i);
+    for (; i < V && i % LANES; i++)
+        if (x[i] > vals[n - 1]) top_insert(vals, ids, have, n, x[i], i);
+    for (; i + LANES <= V; i += LANES)
+        if (any_above(load(x + i), vals[n - 1]))
+            for (long j = i; j < i + LANES; j++)
+                if (x[j] > vals[n - 1]) top_insert(vals, ids, have, n, x[j], j);
+    for (; i < V; i++)
+        if (x[i] > vals[n - 1]) top_insert(vals, ids, have, n, x[i], i);
+    return have;
+}
+
+float row_max(const float *x, long V) {
+    float r = x[0];
+    long i = 0;
+    if (V >= LANES) {
+        vec m = load(x);
+        for (i = LANES; i + LANES <= V; i += LANES) {
+            const vec v = load(x + i);
+            m = vselect(v > m, v, m);
+        }
+        for (int l = 0; l < LANES; l++) r = m[l] > r ? m[l] : r;
+    }
+    for (; i < V; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+/* sum_i e^((x_i - m) / t), each term written to e[i] when e is not NULL (e may be x); e^-inf (a masked logit) is 0 */
+double row_exp_sum(const float *x, long V, float m, float t, float *e) {
+    const vec zero = {0}, lo = zero - 87.3365447504019f;
+    vec acc[4] = {{0}};
+    long i = 0;
+    for (; i + 4 * LANES <= V; i += 4 * LANES)
+        for (int c = 0; c < 4; c++) {
+            const vec a = (load(x + i + c * LANES) - m) / t, v = vselect(a < lo, zero, vexp(a));
+            if (e) memcpy(e + i + c * LANES, &v, sizeof v);
+            acc[c] += v;
+        }
+    double s = hsum_tree((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    for (; i < V; i++) {
+        const float a = (x[i] - m) / t, v = a < -87.3365447504019f ? 0.0f : sexp(a);
+        if (e) e[i] = v;
+        s += v;
+    }
+    return s;
+}
+
+struct scored { float v; long id; };
+
+static int by_value_then_id(const void *a, const void *b) {
+    const struct scored *x = a, *y = b;
+    if (x->v != y->v) return x->v < y->v ? 1 : -1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* keep the most likely e[i] whose mass before them (sorted by value, ties the lower id first; float64 sums) is below
+   top_p * total, and scale those to sum to 1, the rest 0. Only entries above a cut are sorted: when their mass
+   reaches top_p * total, every entry at or below the cut has at least that much before it and is dropped; the cut
+   falls (1e-2, 1e-4 of the total, then 0) until it does. Returns the number kept, -1 when out of memory. */
+static long nucleus_of(float *e, long V, double total, float top_p) {
+    struct scored *c = malloc(sizeof *c * V);
+    if (!c) return -1;
+    const double need = (double)top_p * total, floors[3] = {1e-2 * total, 1e-4 * total, 0.0};
+    long n = 0, kept = 0;
+    double kept_mass = 0.0;
+    for (int f = 0; f < 3; f++) {
+        const float cut = (float)floors[f];
+        long i = 0;
+        n = 0;
+        for (; i + LANES <= V; i += LANES)
+            if (any_above(load(e + i), cut))
+                for (long j = i; j < i + LANES; j++)
+                    if (e[j] > cut) c[n].v = e[j], c[n++].id = j;
+        for (; i < V; i++)
+            if (e[i] > cut) c[n].v = e[i], c[n++].id = i;
+        qsort(c, n, sizeof *c, by_value_then_id);
+        double mass = 0.0;
+        kept = 0, kept_mass = 0.0;
+        for (long j = 0; j < n && mass < need; j++) kept++, kept_mass += c[j].v, mass += c[j].v;
+        if (mass >= need || f == 2) break;
+    }
+    memset(e, 0, sizeof(float) * V);
+    for (long j = 0; j < kept; j++) e[c[j].id] = (float)(c[j].v / kept_mass);
+    free(c);
+    return kept;
+}
+
+/* logits x[V] -> probabilities p[V] (p may be x): softmax(x / t) over e^((x_i - max) / t), then for top_p < 1 the
+   nucleus (`nucleus_of`). Returns how many are nonzero, -1 for a row without mass or out of memory. */
+long row_probs(const float *x, long V, float t, float top_p, float *p) {
+    const double total = row_exp_sum(x, V, row_max(x, V), t, p);
+    if (!(total > 0.0)) return -1;
+    if (top_p < 1.0f) return nucleus_of(p, V, total, top_p);
+    const float inv = (float)(1.0 / total);
+    long nonzero = 0;
+    for (long i = 0; i < V; i++) p[i] *= inv, nonzero += p[i] > 0.0f;
+    return nonzero;
+}
+
+/* the id a uniform u in [0, 1) draws from p[V] (nonnegative, any total): the first whose cumulative sum (float64, in id
+   order) exceeds u * total, kept below total. Zeros add nothing to the sums, so vectors of zeros are skipped: the
+   same draws, bit for bit, as summing every entry. -1 for a row without mass. */
+long row_draw(const float *p, long V, double u) {
+    double total = 0.0;
+    long i = 0;
+    for (; i + LANES <= V; i += LANES)
+        if (any_above(load(p + i), 0.0f))
+            for (long j = i; j < i + LANES; j++) total += p[j];
+    for (; i < V; i++) total += p[i];
+    if (!(total > 0.0)) return -1;
+    double x = u * total, cdf = 0.0;
+    if (x >= total) x = nextafter(total, 0.0);
+    for (i = 0; i + LANES <= V; i += LANES)
+        if (any_above(load(p + i), 0.0f))
+            for (long j = i; j < i + LANES; j++)
+                if (p[j] > 0.0f && (cdf += p[j]) > x) return j;
+    for (; i < V; i++)
+        if (p[i] > 0.0f && (cdf += p[i]) > x) return i;
+    long last = V - 1; /* x < total: unreachable but for rounding; the last entry with mass */
+    while (last > 0 && !(p[last] > 0.0f)) last--;
+    return last;
+}
