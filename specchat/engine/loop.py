@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
@@ -83,9 +84,9 @@ def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]
 def unwarped_alternatives(logits: torch.Tensor, ids: list[int]) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     """[E, V] logits, E ids -> the model's own probability of each id and its most likely (id, prob) pairs, for the
     inspector: the softmax's normaliser and the top logits give them without writing the softmax's rows."""
-    log_z = log_normaliser(logits).tolist()  # [E]
-    at = logits[torch.arange(len(ids)), torch.tensor(ids)].tolist()  # [E]
     values, top_ids = top_n(logits, min(TOP_ALTERNATIVES, logits.shape[-1]))  # [E, n]
+    log_z = log_normaliser(logits, maxima=values[:, 0].tolist()).tolist()  # [E]
+    at = _at(logits, ids)  # [E]
     probs = [math.exp(x - z) for x, z in zip(at, log_z)]
     tops = [
         tuple((i, math.exp(v - z)) for i, v in zip(row_ids, row_values))
@@ -184,13 +185,20 @@ def generate(
             return
 
 
+def _at(x: torch.Tensor, ids: list[int]) -> list[float]:
+    """[N, V] -> x[i, ids[i]] for each i < len(ids): through numpy on the CPU, where torch's indexing costs several
+    times more (a plain round's bookkeeping is a tenth of a small model's step)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return x.numpy()[np.arange(len(ids)), ids].tolist()
+    return x[torch.arange(len(ids), device=x.device), torch.tensor(ids, device=x.device)].tolist()
+
+
 def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy) -> list[TokenEvent]:
     """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
     k = q.shape[0]
-    ids = torch.tensor(new, device=p.device)  # [E]
-    p_x = p[torch.arange(len(new), device=p.device), ids].tolist()
+    p_x = _at(p, new)
     drafted = min(len(new), k)  # emitted positions that had a draft
-    q_x = q[torch.arange(drafted, device=q.device), ids[:drafted]].tolist()
+    q_x = _at(q, new[:drafted])
     # a greedy p is one-hot at the token itself: no top-k over the vocabulary needed (each costs ~0.1 ms)
     top_p = [((tok, 1.0),) for tok in new] if greedy else top_alternatives(p[: len(new)])
     top_q = top_alternatives(q[:drafted]) if drafted else []

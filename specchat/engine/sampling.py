@@ -115,8 +115,9 @@ def _probs_in_c(kernels, logits: torch.Tensor, params: SamplingParams) -> torch.
     return out.view(logits.shape)
 
 
-def log_normaliser(logits: torch.Tensor) -> torch.Tensor:
-    """[R, V] -> [R] float64 log sum_i e^x_i: the model's own softmax at any id is e^(x - this), without writing it."""
+def log_normaliser(logits: torch.Tensor, maxima: list[float] | None = None) -> torch.Tensor:
+    """[R, V] -> [R] float64 log sum_i e^x_i: the model's own softmax at any id is e^(x - this), without writing it.
+    `maxima`, each row's largest logit where the caller has it (a top list), saves the row kernel a pass."""
     kernels = smallbatch.row_kernels(logits)
     if kernels is None:
         return torch.logsumexp(logits.double(), dim=-1)
@@ -124,7 +125,7 @@ def log_normaliser(logits: torch.Tensor) -> torch.Tensor:
     out = []
     for r in range(len(logits)):
         at = logits.data_ptr() + 4 * vocab * r
-        m = kernels.max(at, vocab)
+        m = kernels.max(at, vocab) if maxima is None else maxima[r]
         total = kernels.exp_sum(at, vocab, m, 1.0, None)
         out.append(m + math.log(total) if total > 0 else -math.inf)
     return torch.tensor(out, dtype=torch.float64)
