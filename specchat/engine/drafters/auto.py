@@ -343,7 +343,8 @@ class AutoDrafter(Drafter):
     def verify_cost(self, positions: int) -> float | None:
         """Seconds of a verify of `positions` positions: measured; else on the line through the nearest measured
         below and above (past the longest measured, through the two longest: a cost that grows less than linearly,
-        as both engines' do, is overestimated there); else the nearest above, which bounds it; else None."""
+        as both engines' do, is overestimated there, and never above `positions` one-position verifies, which one
+        slow round of two positions would otherwise multiply); else the nearest above, which bounds it; else None."""
         costs = self.verify_s
         if positions in costs:
             return costs[positions]
@@ -355,7 +356,8 @@ class AutoDrafter(Drafter):
             a, b = below[-2], below[-1]
         else:
             return costs[above[0]] if above else None
-        return costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
+        line = costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
+        return min(line, positions * costs[1]) if positions > b and 1 in costs else line
 
     def explain(self, best: str, eligible: list[str]) -> str:
         """The leader's rate against the others', each with its ceiling where that is below the leader's (it cannot

@@ -599,6 +599,16 @@ def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown(
     assert auto.verify_s[1] == pytest.approx(0.02)
 
 
+def test_an_extended_verify_cost_is_never_above_that_many_one_position_verifies():
+    """One slow 2-position round (2.6 steps) would price a 5-position verify at 7.4 steps on the line through 1 and 2;
+    five one-position verifies bound it."""
+    auto = auto_with("head")
+    auto.average_verify(1, 0.01)
+    auto.average_verify(2, 0.026)
+    assert auto.verify_cost(5) == pytest.approx(0.05)
+    assert auto.verify_cost(2) == pytest.approx(0.026)  # what was measured stays as measured
+
+
 def test_every_round_but_a_cut_or_a_prefills_feeds_the_verify_cost_of_its_positions_and_sets_k():
     auto = auto_with("head")
     auto.observe(record("off", drafted=0, index=0, verify_s=0.001, draft_len=4))  # the prefill's token: no verify
