@@ -120,21 +120,23 @@ def main() -> None:
         lean_draft = load_model(args.draft, cpu, torch.float32, engine="lean") if args.draft else None
     temperatures = [float(t) for t in args.temperature.split(",")]
     sessions: dict[str, Session] = {}
+    # nothing learnt or saved by earlier runs counts (as in `specchat bench`): auto's rows start from their own rounds
+    fresh = dict(k=args.k, seed=0, earlier_sessions=False)
     for t in temperatures:
         params = SamplingParams(t, 0, 0.9 if t > 0 else 1.0)
         for mode in args.modes.split(","):
             if mode == "draft" and draft is None:
                 continue
-            sessions[f"llama.cpp {mode} T={t:g}"] = Session(target, draft, mode=mode, k=args.k, sampling=params, seed=0)
+            sessions[f"llama.cpp {mode} T={t:g}"] = Session(target, draft, mode=mode, sampling=params, **fresh)
         if args.lean_modes:
             for mode in args.lean_modes.split(","):
                 if mode == "draft" and lean_draft is None:
                     continue
-                sessions[f"lean {mode} T={t:g}"] = Session(lean_target, lean_draft, mode=mode, k=args.k, sampling=params, seed=0)
+                sessions[f"lean {mode} T={t:g}"] = Session(lean_target, lean_draft, mode=mode, sampling=params, **fresh)
         if not args.no_torch and t == 0:
             torch_target = load_model(args.target, cpu, torch.float32)
             for mode in args.torch_modes.split(","):
-                sessions[f"torch {mode} T=0"] = Session(torch_target, None, mode=mode, k=args.k, sampling=params, seed=0)
+                sessions[f"torch {mode} T=0"] = Session(torch_target, None, mode=mode, sampling=params, **fresh)
     names = ["llama.cpp plain", *sessions]
     if args.llama_bench:
         names.append("llama-bench tg")
