@@ -22,8 +22,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(x, n, dim=-1): values [..., n] largest first (ties: the lower id first) and their ids. On a CPU
-    through numpy: the row's n largest are all at least the n-th largest of 4n (512 or more) group maxima (each of the n best
+    """torch.topk(x, n, dim=-1): values [..., n] largest first (ties: the lower id first) and their ids. On a CPU by the
+    row kernel for n <= TOP_IN_C, else (or where the library does not build) through numpy: the row's n largest are all at least the n-th largest of 4n (512 or more) group maxima (each of the n best
     groups holds one), so only the few values above it are sorted. torch's topk took 120-180 us over a 49k vocabulary
     on the reference CPU (a round of a ~4 ms step takes one to three), this a half to a third of that; the top
     1024, 500 us against 100."""
@@ -58,7 +58,7 @@ TOP_IN_C = 64  # the largest n the row kernel takes: it keeps its list sorted by
 
 def _top_in_c(kernels, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """top_n by the row kernel: one pass a row, a vector of values looked at only when one beats the n-th so far.
-    None for a row with NaNs (torch.topk's order for them is its own)."""
+    NaN never enters its list; None when a row has fewer than n other values (the library paths take it)."""
     vocab = x.shape[-1]
     rows = x.reshape(-1, vocab)  # [R, V]
     values, ids = torch.empty(len(rows), n), torch.empty(len(rows), n, dtype=torch.int64)  # [R, n]
@@ -93,9 +93,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if 0 < params.top_k < logits.shape[-1]:
         kth = top_n(logits, params.top_k)[0][..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    kernels = smallbatch.row_kernels(logits.contiguous())
+    logits = logits.contiguous()
+    kernels = smallbatch.row_kernels(logits)
     if kernels is not None:
-        return _probs_in_c(kernels, logits.contiguous(), params)
+        return _probs_in_c(kernels, logits, params)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         probs = nucleus(probs, params.top_p)
