@@ -266,15 +266,19 @@ class Runner:
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[S] ids -> [1, S, D]."""
         if isinstance(self.embed_w, smallbatch.GGUFWeights):
-            if len(ids) == 1:  # a decode step: each id's row dequantised once (the gguf package's call is slow)
-                row = self._embedded.get(ids[0])
-                if row is None:
-                    if len(self._embedded) * self.embed_w.shape[1] >= EMBEDDED_FLOATS:
-                        self._embedded.clear()
-                    row = self._embedded[ids[0]] = self.embed_w.rows(torch.tensor(ids))[None]  # [1, 1, D]
-                return row.clone()  # the caller's to change
+            if 0 < len(ids) <= MAX_ROWS:  # a decode step or a verify: each id's row dequantised once (the gguf package's call is slow)
+                return torch.cat([self._embedded_row(i) for i in ids], dim=1)  # [1, S, D], the caller's to change
             return self.embed_w.rows(torch.tensor([ids]))[None]
         return F.embedding(torch.tensor([ids], dtype=torch.long, device=self.device), self.embed_w)
+
+    def _embedded_row(self, token: int) -> torch.Tensor:
+        """[1, 1, D]: a token's embedding row from the file's blocks, kept (up to EMBEDDED_FLOATS floats in all)."""
+        row = self._embedded.get(token)
+        if row is None:
+            if len(self._embedded) * self.embed_w.shape[1] >= EMBEDDED_FLOATS:
+                self._embedded.clear()
+            row = self._embedded[token] = self.embed_w.rows(torch.tensor([token]))[None]  # [1, 1, D]
+        return row
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, layer_ids: Iterable[int], cache: KVCache | None, past: int) -> torch.Tensor:

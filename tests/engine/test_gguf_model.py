@@ -126,8 +126,9 @@ def test_a_k_quant_file_whose_v_differs_in_type_runs_in_c_as_in_pytorch(tmp_path
 
 
 def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_caller_s_to_change(tmp_path, monkeypatch):
-    """One id at a time (a decode step) the row comes from the runner's own dequantised copy: the gguf package's
-    row to the bit, a fresh tensor each call, and the copies dropped past EMBEDDED_FLOATS."""
+    """Up to 16 ids (a decode step, a verify) the rows come from the runner's own dequantised copies: the gguf
+    package's rows to the bit, a fresh tensor each call, and the copies dropped past EMBEDDED_FLOATS; longer inputs
+    (a prompt) take the package's call, with the same rows."""
     from specchat.engine import runner as runner_module
 
     write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
@@ -139,6 +140,13 @@ def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_ca
     monkeypatch.setattr(runner_module, "EMBEDDED_FLOATS", 2 * runner.embed_w.shape[1])
     for i in range(5):
         assert torch.equal(runner.embed([i]), runner.embed_w.rows(torch.tensor([i]))[None])
+    assert len(runner._embedded) <= 2
+    with torch.inference_mode():
+        runner.embed([7, 3]).fill_(0.0)
+    ids = [3, 7, 7, 1, 9]
+    assert torch.equal(runner.embed(ids), runner.embed_w.rows(torch.tensor([ids]))[None])
+    long = list(range(20))
+    assert torch.equal(runner.embed(long), torch.cat([runner.embed([i]) for i in long], dim=1))
     assert len(runner._embedded) <= 2
 
 
