@@ -1441,8 +1441,8 @@ int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long
 }
 
 /* ---- Rows of a vocabulary: sampling's passes over one row of logits or probabilities ----
-   A round's warping, draw and token inspector took ~15 library passes over a 49k row, each from caches the forward
-   had just swept; here each is one call. Probabilities are nonnegative, NaN never enters a top list. */
+   A round's warping, draw and token inspector took a dozen library passes over the vocabulary's row, each from
+   caches the forward had just swept; here each is one call. Probabilities are nonnegative, NaN never enters a top list. */
 
 static inline int any_above(vec v, float t) { /* whether some lane of v is > t */
 #if defined(__AVX512F__)
@@ -1539,7 +1539,7 @@ static long nucleus_of(float *e, long V, double total, float top_p) {
     if (!c) return -1;
     const double need = (double)top_p * total, floors[3] = {1e-2 * total, 1e-4 * total, 0.0};
     long n = 0, kept = 0;
-    double kept_mass = 0.0;
+    double mass = 0.0; /* of the kept entries */
     for (int f = 0; f < 3; f++) {
         const float cut = (float)floors[f];
         long i = 0;
@@ -1551,13 +1551,11 @@ static long nucleus_of(float *e, long V, double total, float top_p) {
         for (; i < V; i++)
             if (e[i] > cut) c[n].v = e[i], c[n++].id = i;
         qsort(c, n, sizeof *c, by_value_then_id);
-        double mass = 0.0;
-        kept = 0, kept_mass = 0.0;
-        for (long j = 0; j < n && mass < need; j++) kept++, kept_mass += c[j].v, mass += c[j].v;
+        for (kept = 0, mass = 0.0; kept < n && mass < need; kept++) mass += c[kept].v;
         if (mass >= need || f == 2) break;
     }
     memset(e, 0, sizeof(float) * V);
-    for (long j = 0; j < kept; j++) e[c[j].id] = (float)(c[j].v / kept_mass);
+    for (long j = 0; j < kept; j++) e[c[j].id] = (float)(c[j].v / mass);
     free(c);
     return kept;
 }
