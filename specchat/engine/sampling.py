@@ -122,11 +122,12 @@ def log_normaliser(logits: torch.Tensor, maxima: list[float] | None = None) -> t
     kernels = smallbatch.row_kernels(logits)
     if kernels is None:
         return torch.logsumexp(logits.double(), dim=-1)
+    if maxima is None:
+        maxima = top_n(logits, 1)[0][:, 0].tolist()
     vocab = logits.shape[-1]
     out = []
-    for r in range(len(logits)):
+    for r, m in enumerate(maxima):
         at = logits.data_ptr() + 4 * vocab * r
-        m = kernels.max(at, vocab) if maxima is None else maxima[r]
         total = kernels.exp_sum(at, vocab, m, 1.0, None)
         out.append(m + math.log(total) if total > 0 else -math.inf)
     return torch.tensor(out, dtype=torch.float64)

@@ -148,7 +148,6 @@ class RowKernels:
     """The library's passes over one row of a vocabulary, for sampling.py (see their comments in the source)."""
 
     top: ctypes._CFuncPtr  # (x, V, n, ids, vals) -> how many found: the n largest, ties to the lower id
-    max: ctypes._CFuncPtr  # (x, V) -> max
     exp_sum: ctypes._CFuncPtr  # (x, V, m, t, e) -> sum of e^((x - m) / t) in float64, the terms into e (or NULL)
     probs: ctypes._CFuncPtr  # (x, V, t, top_p, p) -> nonzero count, -1 without mass: softmax(x / t), then the nucleus
     draw: ctypes._CFuncPtr  # (p, V, u) -> the id u in [0, 1) draws by float64 cumulative sums, -1 without mass
@@ -158,7 +157,6 @@ class RowKernels:
         ptr, long, f32, f64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_double
         signatures = {
             "row_top": (ctypes.c_int, [ptr, long, ctypes.c_int, ptr, ptr]),
-            "row_max": (f32, [ptr, long]),
             "row_exp_sum": (f64, [ptr, long, f32, f32, ptr]),
             "row_probs": (long, [ptr, long, f32, f32, ptr]),
             "row_draw": (long, [ptr, long, f64]),

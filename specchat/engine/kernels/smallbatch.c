@@ -1487,21 +1487,6 @@ int row_top(const float *x, long V, int n, long *ids, float *vals) {
     return have;
 }
 
-float row_max(const float *x, long V) {
-    float r = x[0];
-    long i = 0;
-    if (V >= LANES) {
-        vec m = load(x);
-        for (i = LANES; i + LANES <= V; i += LANES) {
-            const vec v = load(x + i);
-            m = vselect(v > m, v, m);
-        }
-        for (int l = 0; l < LANES; l++) r = m[l] > r ? m[l] : r;
-    }
-    for (; i < V; i++) r = x[i] > r ? x[i] : r;
-    return r;
-}
-
 /* sum_i e^((x_i - m) / t), each term written to e[i] when e is not NULL (e may be x); e^-inf (a masked logit) is 0 */
 double row_exp_sum(const float *x, long V, float m, float t, float *e) {
     const vec zero = {0}, lo = zero - 87.3365447504019f;
@@ -1563,7 +1548,10 @@ static long nucleus_of(float *e, long V, double total, float top_p) {
 /* logits x[V] -> probabilities p[V] (p may be x): softmax(x / t) over e^((x_i - max) / t), then for top_p < 1 the
    nucleus (`nucleus_of`). Returns how many are nonzero, -1 for a row without mass or out of memory. */
 long row_probs(const float *x, long V, float t, float top_p, float *p) {
-    const double total = row_exp_sum(x, V, row_max(x, V), t, p);
+    long id;
+    float m;
+    if (row_top(x, V, 1, &id, &m) < 1) return -1;
+    const double total = row_exp_sum(x, V, m, t, p);
     if (!(total > 0.0)) return -1;
     if (top_p < 1.0f) return nucleus_of(p, V, total, top_p);
     const float inv = (float)(1.0 / total);
