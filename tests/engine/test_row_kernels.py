@@ -48,10 +48,9 @@ def test_top_lists_are_the_sorted_orders_with_ties_to_the_lower_id(vocab, n, mon
     assert torch.equal(values, ref_values) and torch.equal(ids, ref_ids)
 
 
-def test_a_row_with_nans_leaves_the_top_list_to_torch(monkeypatch):
+def test_a_row_with_nans_leaves_the_top_list_to_torch():
     x = torch.tensor([[1.0, float("nan"), 3.0]])
-    values, ids = top_n(x, 3)
-    assert ids.tolist() == torch.topk(x, 3).indices.tolist()
+    assert top_n(x, 3)[1].tolist() == torch.topk(x, 3).indices.tolist()
 
 
 @pytest.mark.parametrize("vocab", [3, 17, 200, 49152 + 5])
