@@ -24,6 +24,8 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers  # [B, H_kv, capacity, hd]
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.lengths = [0] * n_layers
+        self.version = 0  # bumped whenever a layer's storage is replaced (C code holds pointers into it)
+        self._all_capacity = 0  # positions every layer's storage has room for (a lower bound)
 
     def write(self, i: int, k: torch.Tensor, v: torch.Tensor, past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, H_kv, S, hd] at positions past..past+S-1 of layer i; return the layer's keys and
@@ -45,6 +47,18 @@ class KVCache:
         self.lengths[i] = end
         return self.keys[i], self.values[i]
 
+    def reserve_all(self, past: int, n: int) -> None:
+        """`reserve` for every layer at once (a whole-model forward), without a call per layer."""
+        end = past + n
+        if past > min(self.lengths):
+            raise ValueError(f"a layer holds {min(self.lengths)} positions; cannot write at {past}")
+        if end > self._all_capacity:
+            for i, keys in enumerate(self.keys):
+                if keys is None or keys.shape[2] < end:
+                    self._grow(i, end)
+            self._all_capacity = min(k.shape[2] for k in self.keys)
+        self.lengths = [end] * len(self.lengths)
+
     def _grow(self, i: int, needed: int) -> None:
         capacity = -(-needed // CHUNK) * CHUNK
         shape = (self.rows, self.n_kv_heads, capacity, self.head_dim)
@@ -55,12 +69,14 @@ class KVCache:
             keys[:, :, :n].copy_(self.keys[i][:, :, :n])
             values[:, :, :n].copy_(self.values[i][:, :, :n])
         self.keys[i], self.values[i] = keys, values
+        self.version += 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows `index` [B'] of every layer (batched generation drops the rows that finished)."""
         self.keys = [k.index_select(0, index) if k is not None else None for k in self.keys]
         self.values = [v.index_select(0, index) if v is not None else None for v in self.values]
         self.rows = len(index)
+        self.version += 1
 
     def crop(self, length: int) -> None:
         """Every layer back to at most `length` positions (a pointer move)."""

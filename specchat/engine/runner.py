@@ -180,6 +180,7 @@ class Runner:
         self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype, device=device)  # [P, hd]
         self._fused, self._fused_for = None, None  # the C layers' weights, and the blocks they were built for
         self._layer_args: dict[tuple, smallbatch.LayerArgs] = {}  # their pointers, by the layers a forward runs
+        self._head, self._head_for = None, None  # the C final norm and LM head, and the head matrix they were built for
         self._embedded: dict[int, torch.Tensor] = {}  # rows of a file's embedding, dequantised: [1, 1, D] by id
 
     @staticmethod
@@ -226,6 +227,7 @@ class Runner:
         other = copy.copy(self)
         other.blocks, other.head_w = blocks, head_w
         other._fused = other._fused_for = None
+        other._head = other._head_for = None
         other._layer_args = {}
         return other
 
@@ -332,10 +334,51 @@ class Runner:
             self._fused_for = self.blocks
         return self._fused
 
+    def _head_weights(self) -> "smallbatch.LayerWeights | None":
+        """The final norm and LM head as the C code reads them, or None where it does not (see smallbatch.head_weights)."""
+        if self._head_for is not self.head_w:
+            self._head = smallbatch.head_weights(self.norm_w, self.norm_eps, self.head_w)
+            self._head_for = self.head_w
+        return self._head if smallbatch.layer_usable() else None
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[1, S, D] -> [S, V]: final norm and LM head."""
+        """[1, S, D] -> [S, V]: final norm and LM head. In C where the C layers run (every position on its own: the
+        same bits as forward_into's), else in PyTorch; on float32 weights PyTorch's GEMM keeps more than MAX_ROWS."""
+        head = self._head_weights()
+        if (head is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and hidden.shape[0] == 1
+                and (hidden.shape[1] <= MAX_ROWS or self.reads_blocks) and not torch.is_grad_enabled()):
+            return smallbatch.logits(head, hidden[0].contiguous(), self.vocab_size)
         return linear(rms_norm(hidden, self.norm_w, self.norm_eps), self.head_w)[0]
+
+    @torch.inference_mode()
+    def forward_into(self, ids: list[int], cache: KVCache, past: int, keep: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`step` in one C call (smallbatch.forward), the last layer's output left in hidden [S, D] (float32,
+        contiguous): logits [keep, V], the same bits as `step`'s; None (nothing run) where `run` or `logits` would not
+        run wholly in C. A decode step from Python was ~20 library calls, each finding its code and data evicted by
+        the weights' stream."""
+        S = len(ids)
+        fused = self._fused_layers(hidden[None], cache)
+        head = self._head_weights() if fused is not None and None not in fused else None
+        rows = self._rows(ids) if head is not None and S <= MAX_ROWS and hidden.is_contiguous() else None
+        if rows is None or not fused:
+            return None
+        if self.cos.shape[0] < past + S:
+            self.rope(past, S)
+        if not (self.cos.is_contiguous() and self.sin.is_contiguous()):
+            return None
+        cache.reserve_all(past, S)
+        args = self._layer_args.setdefault((), smallbatch.LayerArgs())
+        return smallbatch.forward(fused, rows, hidden, self.cos, self.sin, cache, past, head, self.vocab_size, keep, args)
+
+    def _rows(self, ids: list[int]) -> list[torch.Tensor] | None:
+        """The embedding's rows of `ids`, [D] float32 each (views or kept rows: not to be written), or None."""
+        if isinstance(self.embed_w, smallbatch.GGUFWeights):
+            return [self._embedded_row(i)[0, 0] for i in ids]
+        w = self.embed_w
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            return None
+        return [w[i] for i in ids]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], layer_ids: Iterable[int], cache: KVCache | None, past: int, keep: int = 1) -> torch.Tensor:

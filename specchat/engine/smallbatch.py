@@ -52,6 +52,8 @@ _fn_bf16 = None  # and smallbatch_linear_bf16 (bfloat16 weights)
 _fn_int8 = None  # and smallbatch_linear_int8 (Int8Weights)
 _fn_layer = None  # and smallbatch_layer (a whole decoder layer)
 _fn_layers = None  # and smallbatch_layers (several in one call)
+_fn_logits = None  # and smallbatch_logits (the final norm and LM head)
+_fn_forward = None  # and smallbatch_forward (embedding rows to logits in one call)
 _fn_gguf = None  # and gguf_linear (GGUFWeights: a GGUF file's own blocks)
 _fn_pack = None  # and gguf_pack, gguf_packed_bytes (GGUFWeights.packed)
 rows: "RowKernels | None" = None  # and the passes over a row of the vocabulary (sampling.py)
@@ -108,7 +110,7 @@ def _build(folder: Path) -> Path | None:
 
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and source) and load it; False where it cannot be."""
-    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_layers, _fn_gguf, _fn_pack, rows
+    global _lib, _fn, _fn_bf16, _fn_int8, _fn_layer, _fn_layers, _fn_logits, _fn_forward, _fn_gguf, _fn_pack, rows
     with _lock:
         if _fn is None:
             try:
@@ -130,6 +132,13 @@ def load(folder: Path) -> bool:
             layers = lib.smallbatch_layers
             layers.restype = ctypes.c_int  # L[], n, h, S, cos, sin, keys[], values[], capacity[], past, threads
             layers.argtypes = [ptr, ctypes.c_int, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.c_int]
+            logits = lib.smallbatch_logits
+            logits.restype = ctypes.c_int  # head, h, S, N, y, threads
+            logits.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, long, ptr, ctypes.c_int]
+            forward = lib.smallbatch_forward
+            forward.restype = ctypes.c_int  # L[], n, rows[], h, S, cos, sin, keys[], values[], capacity[], past, head, N, keep, logits, threads
+            forward.argtypes = [ptr, ctypes.c_int, ptr, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.POINTER(LayerWeights),
+                                long, long, ptr, ctypes.c_int]
             gguf = lib.gguf_linear
             gguf.restype = ctypes.c_int  # x, w, type, y, S, N, D, threads, reference
             gguf.argtypes = [ptr, ptr, ctypes.c_int, ptr, long, long, long, ctypes.c_int, ctypes.c_int]
@@ -138,6 +147,7 @@ def load(folder: Path) -> bool:
             pack.argtypes = [ptr, ctypes.c_int, long, long, ptr, ctypes.c_int]
             packed_bytes.argtypes = [ctypes.c_int, long, long]
             _lib, (_fn, _fn_bf16, _fn_int8), _fn_layer, _fn_layers = lib, fns, layer, layers
+            _fn_logits, _fn_forward = logits, forward
             _fn_gguf, _fn_pack = gguf, (pack, packed_bytes)
             rows = RowKernels.of(lib)
     return True
@@ -415,26 +425,10 @@ def layer_weights(block, shape) -> "LayerWeights | None":
     vectors = [block.ln1, block.ln2, block.q_norm, block.k_norm, block.qkv_b, block.o_b, block.gate_up_b, block.down_b]
     if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()) for t in vectors):
         return None
-    matrices = [block.qkv_w, block.o_w, block.gate_up_w, block.down_w]
     L = LayerWeights()
     L.tensors = [t for t in vectors if t is not None]
-    for m, w in enumerate(matrices):
-        if isinstance(w, Int8Weights):
-            L.w[m], L.scale[m], L.kind[m] = w.q.data_ptr(), w.scale.data_ptr(), 1
-            L.tensors += [w.q, w.scale]
-        elif isinstance(w, GGUFWeights) and gguf_usable(w) and w.blocks.is_contiguous():
-            data, kind = w.kernel_operand()
-            L.w[m], L.kind[m] = data.data_ptr(), GGUF_KIND + kind
-            L.tensors.append(data)
-        elif isinstance(w, GGUFStack) and len(w.parts) <= 3 and all(gguf_usable(p) and p.blocks.is_contiguous() for p in w.parts):
-            for i, part in enumerate(w.parts):
-                data, kind = part.kernel_operand()
-                L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = data.data_ptr(), part.shape[0], kind
-                L.tensors.append(data)
-        elif isinstance(w, torch.Tensor) and w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
-            L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
-            L.tensors.append(w)
-        else:
+    for m, w in enumerate([block.qkv_w, block.o_w, block.gate_up_w, block.down_w]):
+        if not _set_matrix(L, m, w):
             return None
     for m, b in enumerate(vectors[4:]):
         L.bias[m] = b.data_ptr() if b is not None else None
@@ -444,6 +438,41 @@ def layer_weights(block, shape) -> "LayerWeights | None":
     L.D, L.H, L.Hkv, L.hd = block.ln1.shape[0], shape.n_heads, shape.n_kv_heads, shape.head_dim
     L.I = block.down_w.shape[1]
     L.eps, L.qk_eps, L.attn_scale = block.eps, block.qk_eps, shape.scale
+    return L
+
+
+def _set_matrix(L: LayerWeights, m: int, w) -> bool:
+    """Point matrix m of L at w (keeping w alive in L.tensors); False for a matrix the C code does not take."""
+    if isinstance(w, Int8Weights):
+        L.w[m], L.scale[m], L.kind[m] = w.q.data_ptr(), w.scale.data_ptr(), 1
+        L.tensors += [w.q, w.scale]
+    elif isinstance(w, GGUFWeights) and gguf_usable(w) and w.blocks.is_contiguous():
+        data, kind = w.kernel_operand()
+        L.w[m], L.kind[m] = data.data_ptr(), GGUF_KIND + kind
+        L.tensors.append(data)
+    elif isinstance(w, GGUFStack) and len(w.parts) <= 3 and all(gguf_usable(p) and p.blocks.is_contiguous() for p in w.parts):
+        for i, part in enumerate(w.parts):
+            data, kind = part.kernel_operand()
+            L.part_w[m][i], L.part_rows[m][i], L.part_type[m][i] = data.data_ptr(), part.shape[0], kind
+            L.tensors.append(data)
+    elif isinstance(w, torch.Tensor) and w.dtype in KINDS and w.device.type == "cpu" and w.is_contiguous():
+        L.w[m], L.kind[m] = w.data_ptr(), KINDS[w.dtype]
+        L.tensors.append(w)
+    else:
+        return False
+    return True
+
+
+def head_weights(norm_w: torch.Tensor, eps: float, head_w) -> "LayerWeights | None":
+    """The final norm and LM head as the C code reads them (a struct layer: ln1 the norm, matrix 0 the head), or None
+    where it does not take them."""
+    if not layer_usable() or norm_w.dtype != torch.float32 or norm_w.device.type != "cpu" or not norm_w.is_contiguous():
+        return None
+    L = LayerWeights()
+    L.tensors = [norm_w]
+    if not _set_matrix(L, 0, head_w):
+        return None
+    L.ln1, L.eps, L.D = norm_w.data_ptr(), eps, norm_w.shape[0]
     return L
 
 
@@ -485,6 +514,16 @@ class LayerArgs:
         self.last = (list(Ls), list(kv), arrays)
         return arrays
 
+    def of_cache(self, Ls: list[LayerWeights], cache) -> tuple:
+        """`arrays` for Ls over every layer of a KVCache, checked by the cache's `version` rather than layer by layer."""
+        old_Ls, old_key, arrays = self.last
+        if old_key == (cache, cache.version) and len(Ls) == len(old_Ls) and all(a is b for a, b in zip(Ls, old_Ls)):
+            return arrays
+        self.last = ([], [], None)
+        arrays = self.arrays(Ls, list(zip(cache.keys, cache.values)))
+        self.last = (list(Ls), (cache, cache.version), arrays)
+        return arrays
+
 
 def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
            kv: list[tuple[torch.Tensor, torch.Tensor]], past: int, args: LayerArgs | None = None) -> None:
@@ -496,3 +535,29 @@ def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signe
                         torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"the fused decoder layers could not run ({S} rows at position {past})")
+
+
+def logits(head: LayerWeights, h: torch.Tensor, N: int) -> torch.Tensor:
+    """The final norm and LM head in C: h [S, D] (float32, contiguous) -> logits [S, N], MAX_ROWS rows a call."""
+    y = torch.empty(h.shape[0], N, dtype=torch.float32)  # [S, N]
+    for s in range(0, h.shape[0], MAX_ROWS):
+        rows = min(MAX_ROWS, h.shape[0] - s)
+        if _fn_logits(ctypes.byref(head), h[s].data_ptr(), rows, N, y[s].data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError(f"the LM head could not run ({rows} rows)")
+    return y
+
+
+def forward(Ls: list[LayerWeights], rows: list[torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+            cache, past: int, head: LayerWeights, N: int, keep: int, args: LayerArgs) -> torch.Tensor:
+    """`layers` over every layer of `cache` (a KVCache whose layers hold positions up to past + S: reserve_all), the S
+    embedding rows (float32 [D] each, contiguous) copied into h [S, D] first and left there as the last layer's output,
+    then `logits` of its last `keep` rows: [keep, N]. cos, sin_signed: the whole tables [P, hd], P >= past + S."""
+    S = h.shape[0]
+    structs, keys, values, capacity = args.of_cache(Ls, cache)
+    y = torch.empty(keep, N, dtype=torch.float32)  # [keep, N]
+    pointers = (ctypes.c_void_p * S)(*[r.data_ptr() for r in rows])
+    status = _fn_forward(structs, len(Ls), pointers, h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys, values,
+                         capacity, past, ctypes.byref(head), N, keep, y.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"the fused forward could not run ({S} rows at position {past})")
+    return y

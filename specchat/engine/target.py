@@ -183,6 +183,13 @@ class TargetState(CachedTarget):
         """Feed `ids` at positions past.. (anything cached beyond `past` is dropped first); logits [keep, V]."""
         self._crop(past)
         if self.lean is not None:
+            end = past + len(ids)
+            kept = past <= self.known  # else a gap: no features (see record)
+            rows = self._feature_rows(past, end) if kept else self._feature_rows(0, len(ids), scratch=True)
+            logits = self.lean.forward_into(ids, self.cache, past, keep, rows)  # the features written in place
+            if logits is not None:
+                self.known = end if kept else self.known
+                return logits
             hidden = self.lean.run(self.lean.embed(ids), range(self.lean.n_layers), self.cache, past)  # [1, S, D]
             self.record(hidden, past)
             return self.lean.logits(hidden[:, -keep:])
@@ -194,13 +201,21 @@ class TargetState(CachedTarget):
         if past > self.known:  # a gap: those positions were computed without features (the HF path)
             return
         end = past + hidden.shape[1]
+        self._feature_rows(past, end)[:] = hidden[0]
+        self.known = end
+
+    def _feature_rows(self, past: int, end: int, scratch: bool = False) -> torch.Tensor:
+        """features[past:end] [end - past, D], grown CHUNK rows at a time keeping features[:past]; `scratch`: rows of
+        a new tensor instead."""
+        shape, dtype, device = (end - past, self.lean.norm_w.shape[0]), self.lean.dtype, self.lean.device
+        if scratch:
+            return torch.empty(shape, dtype=dtype, device=device)
         if self.features is None or self.features.shape[0] < end:
-            grown = torch.empty(-(-end // CHUNK) * CHUNK, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            grown = torch.empty(-(-end // CHUNK) * CHUNK, shape[1], dtype=dtype, device=device)
             if self.features is not None:
                 grown[:past] = self.features[:past]
             self.features = grown
-        self.features[past:end] = hidden[0]
-        self.known = end
+        return self.features[past:end]
 
     def _crop(self, length: int) -> None:
         crop_to(self.cache, length)

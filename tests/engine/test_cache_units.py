@@ -121,6 +121,30 @@ def test_growth_copies_only_the_positions_held_after_a_crop():
     assert torch.equal(keys[:, :, 4:], big_k) and torch.equal(values[:, :, 4:], big_v)
 
 
+def test_reserve_all_grows_every_layer_that_needs_it_and_says_when_storage_moved():
+    """What a whole-model forward in C relies on: every layer has room and holds past + n, and `version` changes
+    exactly when some layer's storage was replaced (the C code's pointers into it are then rebuilt)."""
+    c = cache(n_layers=3)
+    c.reserve_all(0, 5)
+    assert c.lengths == [5, 5, 5] and all(k.shape[2] == CHUNK for k in c.keys)
+    version, storage = c.version, [k.data_ptr() for k in c.keys]
+    c.crop(2)
+    c.reserve_all(2, CHUNK - 2)  # fills the chunk exactly: nothing moves
+    assert c.lengths == [CHUNK] * 3 and c.version == version and [k.data_ptr() for k in c.keys] == storage
+    k, v = kv(0, CHUNK + 1)
+    c.write(1, k[:, :, -2:], v[:, :, -2:], past=CHUNK - 1)  # layer 1 alone grows (a self-speculative pass's write)
+    version = c.version
+    c.reserve_all(CHUNK, 1)
+    assert c.version > version and all(k.shape[2] == 2 * CHUNK for k in c.keys) and c.lengths == [CHUNK + 1] * 3
+    version = c.version
+    c.reserve_all(CHUNK + 1, 3)
+    assert c.version == version
+    c.crop(4)
+    c.lengths[2] = 3
+    with pytest.raises(ValueError):  # layer 2 holds 3 positions: nothing at 4 for it to attend to
+        c.reserve_all(4, 1)
+
+
 def test_bfloat16_storage_keeps_its_dtype():
     c = cache(n_layers=1, dtype=torch.bfloat16)
     k, v = kv(0, 2)

@@ -125,6 +125,35 @@ def test_a_k_quant_file_whose_v_differs_in_type_runs_in_c_as_in_pytorch(tmp_path
     assert (in_c - logits(dense, ids)).abs().max() <= 0.05 * scale  # seen: ~1% (x rounded to 8 bits, 2 layers)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["Q6_K head", "tied Q8_0 embedding"])
+def test_a_forward_in_one_c_call_gives_the_step_s_logits_and_features_to_the_bit(tmp_path, tied):
+    """forward_into (embedding rows to logits in one call) against embed, run and logits called one by one: the same
+    logits (of the last `keep` positions), last-layer outputs and cache entries, for a prompt and then 1-16 positions after
+    it."""
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=tied)
+    runner = load_runner(tmp_path / "k.gguf")
+    one_call, by_parts = runner.new_cache(), runner.new_cache()
+    ids = [3, 17, 42, 5, 88, 1, 60, 9, 4, 11, 23, 2, 71, 6, 30, 8]
+    past = 0
+    for n in [7, 1, 2, 5, 16]:
+        feed = ids[:n]
+        hidden = torch.full((n, runner.norm_w.shape[0]), float("nan"))
+        keep = max(n // 2, 1)
+        got = runner.forward_into(feed, one_call, past, keep, hidden)
+        with torch.inference_mode():
+            want_hidden = runner.run(runner.embed(feed), range(runner.n_layers), by_parts, past)  # [1, n, D]
+            want = runner.logits(want_hidden[:, -keep:])
+        assert got is not None and torch.equal(got, want) and torch.equal(hidden, want_hidden[0])
+        assert torch.equal(runner.forward_into(feed[:1], runner.new_cache(), 0, 1, hidden[:1].clone()),
+                           runner.forward(feed[:1], range(runner.n_layers), runner.new_cache(), 0))
+        past += n
+        assert one_call.lengths == by_parts.lengths == [past] * runner.n_layers
+        for i in range(runner.n_layers):
+            assert torch.equal(one_call.keys[i][:, :, :past], by_parts.keys[i][:, :, :past])
+            assert torch.equal(one_call.values[i][:, :, :past], by_parts.values[i][:, :, :past])
+    assert runner.forward_into(ids[:2], one_call, past, 1, torch.empty(runner.norm_w.shape[0], 2).t()) is None  # strided rows
+
+
 def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_caller_s_to_change(tmp_path, monkeypatch):
     """Up to 16 ids (a decode step, a verify) the rows come from the runner's own dequantised copies: the gguf
     package's rows to the bit, a fresh tensor each call, and the copies dropped past EMBEDDED_FLOATS; longer inputs

@@ -46,9 +46,16 @@ def features_of(state: TargetState, ids: list[int]) -> torch.Tensor:
 
 
 def counting(state: TargetState) -> list[int]:
-    """Record how many positions each lean forward feeds."""
-    fed, run = [], state.lean.run
+    """Record how many positions each lean forward feeds (through `run`, or in one C call: forward_into)."""
+    fed, run, forward_into = [], state.lean.run, state.lean.forward_into
     state.lean.run = lambda hidden, layers, cache, past: fed.append(hidden.shape[1]) or run(hidden, layers, cache, past)
+
+    def counted(ids, *args):
+        logits = forward_into(ids, *args)
+        fed.extend([len(ids)] if logits is not None else [])
+        return logits
+
+    state.lean.forward_into = counted
     return fed
 
 
@@ -230,7 +237,7 @@ def test_a_failed_prefill_leaves_what_the_cache_surely_holds(model):
     state = TargetState(model)
     state.start([1, 2, 3])
     state.commit([4])  # the cache holds 1 2 3
-    run, calls = state.lean.run, []
+    run, forward_into, calls = state.lean.run, state.lean.forward_into, []
 
     def failing(hidden, layer_ids, cache, past):
         calls.append(list(layer_ids))
@@ -238,12 +245,13 @@ def test_a_failed_prefill_leaves_what_the_cache_surely_holds(model):
         raise KeyboardInterrupt
 
     state.lean.run = failing
+    state.lean.forward_into = lambda ids, cache, past, *rest: failing(state.lean.embed(ids), range(2), cache, past)
     with pytest.raises(KeyboardInterrupt):
         state.start([1, 2, 9, 9, 9])
     assert calls == [[0, 1]]
     assert state.tokens == [1, 2, 9] and state.head is None and state.past == 2
     assert lengths(state) == {2} and state.known == 2
-    state.lean.run = run
+    state.lean.run, state.lean.forward_into = run, forward_into
     torch.testing.assert_close(state.verify([5]), full(model, [1, 2, 9, 5])[-2:], **CLOSE)
 
 

@@ -488,6 +488,35 @@ int smallbatch_layers(const struct layer *const *L, int n, float *h, long S, con
     return 0;
 }
 
+/* logits y [S, N] of h [S, D], 1 <= S <= 16: the final RMSNorm and the LM head, described as a struct layer whose ln1
+   and eps are the norm's and whose matrix 0 is the head (any kind linear_of takes). Each row on its own, as above. */
+int smallbatch_logits(const struct layer *head, const float *h, long S, long N, float *y, int threads) {
+    const long D = head->D;
+    if (S < 1 || S > 16) return -1;
+    float *x = malloc(sizeof(float) * S * D);
+    if (!x) return -1;
+    for (long s = 0; s < S; s++) rms_norm(h + s * D, head->ln1, head->eps, x + s * D, D);
+    const int status = linear_of(x, head, 0, y, S, N, D, threads);
+    free(x);
+    return status;
+}
+
+/* A whole forward in one call: the S embedding rows rows[s] [D] copied into h [S, D], layers L[0..n-1] on it (cos,
+   sin_signed: the tables from position 0), h left holding the last layer's output, and the logits [keep, N] of its last
+   `keep` rows. The same arithmetic as those calls one by one; from Python each step between them was a few library
+   calls that found their code and data evicted by the weights' stream. */
+int smallbatch_forward(const struct layer *const *L, int n, const float *const *rows, float *h, long S,
+                       const float *cos, const float *sin_signed, float *const *keys, float *const *values,
+                       const long *capacity, long past, const struct layer *head, long N, long keep, float *logits,
+                       int threads) {
+    if (n < 1 || keep < 1 || keep > S) return -1;
+    const long D = head->D, hd = L[0]->hd;
+    for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
+    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads))
+        return -1;
+    return smallbatch_logits(head, h + (S - keep) * D, keep, N, logits, threads);
+}
+
 /* ------------------------------------------------------------------------------------------------------------
    GGUF's own blocks (issue 52): y[S, N] = x[S, D] @ w[N, D]^T where w's rows are blocks exactly as the file stores
    them (read in place from the memory-mapped file: no float32 copy): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 weights a
