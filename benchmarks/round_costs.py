@@ -55,7 +55,7 @@ def main() -> None:
 
         setattr(owner, name, wrapper)
 
-    for name in ("logits_to_probs", "one_hot", "draw_next", "_token_events"):
+    for name in ("tops_of", "logits_to_probs", "one_hot", "draw_next", "_token_events"):
         timed(loop, name)
     timed(target.TargetState, "forward")
     t = args.temperature

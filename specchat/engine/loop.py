@@ -13,7 +13,7 @@ import torch
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
-from specchat.engine.sampling import SamplingParams, log_normaliser, logits_to_probs, top_n
+from specchat.engine.sampling import SamplingParams, Tops, logits_to_probs, top_n, tops_of
 from specchat.engine.target import Target
 
 TOP_ALTERNATIVES = 5
@@ -81,18 +81,20 @@ def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def unwarped_alternatives(logits: torch.Tensor, ids: list[int]) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+def unwarped_alternatives(logits: torch.Tensor, ids: list[int], tops: Tops | None = None) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     """[E, V] logits, E ids -> the model's own probability of each id and its most likely (id, prob) pairs, for the
-    inspector: the softmax's normaliser and the top logits give them without writing the softmax's rows."""
-    values, top_ids = top_n(logits, min(TOP_ALTERNATIVES, logits.shape[-1]))  # [E, n]
-    log_z = log_normaliser(logits, maxima=values[:, 0].tolist()).tolist()  # [E]
+    inspector: the softmax's normaliser and the top logits (`tops` of at least these rows) give them without writing
+    the softmax's rows."""
+    if tops is None:
+        tops = tops_of(logits, min(TOP_ALTERNATIVES, logits.shape[-1]))
+    log_z = tops.log_z[: len(ids)]  # [E]
     at = _at(logits, ids)  # [E]
     probs = [math.exp(x - z) for x, z in zip(at, log_z)]
-    tops = [
+    alternatives = [
         tuple((i, math.exp(v - z)) for i, v in zip(row_ids, row_values))
-        for row_ids, row_values, z in zip(top_ids.tolist(), values.tolist(), log_z)
+        for row_ids, row_values, z in zip(tops.ids[: len(ids)].tolist(), tops.values[: len(ids)].tolist(), log_z)
     ]
-    return probs, tops
+    return probs, alternatives
 
 
 def generate(
@@ -132,8 +134,10 @@ def generate(
         draft_ids = proposal.ids  # [K]
         n_drafted = draft_ids.numel()
         draft_list = draft_ids.tolist()
-        logits = drafter.verify(state, draft_list)  # [K+1, V]
-        p = logits_to_probs(logits, params)  # [K+1, V]
+        logits = drafter.verify(state, draft_list).float()  # [K+1, V]
+        # greedy's argmax and the inspector's model's own top list (unwarped p is that distribution itself)
+        tops = tops_of(logits, min(TOP_ALTERNATIVES, logits.shape[-1])) if params != UNWARPED else None
+        p = logits_to_probs(logits, params, tops)  # [K+1, V]
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
         if n_drafted:
             verdict = rule(draft_ids, q, p, generator, params.greedy)
@@ -174,7 +178,7 @@ def generate(
             prefill_s=prefill_s if round_index == 0 else 0.0,
             expected_tokens=1.0 + float(torch.cumprod(verdict.accept_probs[:judged].float(), 0).sum()) if judged else 1.0,
         )
-        raw = None if params == UNWARPED else logits[: len(new)].float().contiguous()  # [E, V]: the inspector's
+        raw = None if params == UNWARPED else (logits, tops)  # the inspector's model's own distribution
         record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy)
         record.wall_s = time.perf_counter() - t0
         chooser.observe(record)
@@ -202,8 +206,8 @@ def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy) 
     # a greedy p is one-hot at the token itself: no top-k over the vocabulary needed (each costs ~0.1 ms)
     top_p = [((tok, 1.0),) for tok in new] if greedy else top_alternatives(p[: len(new)])
     top_q = top_alternatives(q[:drafted]) if drafted else []
-    # raw: the model's own logits [E, V], or None when p is them unwarped
-    raw_x, top_raw = (p_x, top_p) if raw is None else unwarped_alternatives(raw, new)
+    # raw: the model's own logits [>= E, V] and their Tops, or None when p is them unwarped
+    raw_x, top_raw = (p_x, top_p) if raw is None else unwarped_alternatives(raw[0], new, raw[1])
     acc = accept_probs.tolist()
     events = []
     for i, tok in enumerate(new):

@@ -4,6 +4,7 @@ draft sampled from, or a p without the same warpers, silently biases the output)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,15 +82,43 @@ def _first_equal(row: np.ndarray, value: float, n: int) -> np.ndarray:
         end *= 4
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+@dataclass(frozen=True)
+class Tops:
+    """What greedy decoding and the token inspector read of rows of logits [R, V]: each row's n largest (largest first,
+    ties to the lower id) and log sum_i e^x_i (the model's own softmax at id i is e^(x_i - log_z))."""
+
+    values: torch.Tensor  # [R, n]
+    ids: torch.Tensor  # [R, n] int64
+    log_z: list[float]  # [R]
+
+
+def tops_of(logits: torch.Tensor, n: int) -> Tops:
+    """Tops of logits [R, V] (n <= V). On the CPU one call of the row kernel for every row: the threads each read back
+    the part of a row the LM head's loop had them write, from their own caches, instead of three passes of one thread
+    over rows the other had written."""
+    kernels = smallbatch.row_kernels(logits)
+    if kernels is not None and logits.dim() == 2 and 1 <= n <= TOP_IN_C:
+        R, V = logits.shape
+        ids, values = torch.empty(R, n, dtype=torch.int64), torch.empty(R, n)  # [R, n]
+        log_z = torch.empty(R, dtype=torch.float64)
+        found = kernels.summary(logits.data_ptr(), R, V, n, ids.data_ptr(), values.data_ptr(), log_z.data_ptr(),
+                                torch.get_num_threads())
+        if found == n:
+            return Tops(values, ids, log_z.tolist())
+    values, ids = top_n(logits, n)
+    return Tops(values, ids, log_normaliser(logits, maxima=values[:, 0].tolist()).tolist())
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, tops: Tops | None = None) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
 
     Greedy is a one-hot at the argmax, so the exact acceptance rule reduces to argmax matching
-    with no division by a temperature near 0.
+    with no division by a temperature near 0; `tops` (of these logits, where the caller has them) give it.
     """
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
+        best = tops.ids[:, :1] if tops is not None else argmax(logits).unsqueeze(-1)  # [..., 1]
+        return torch.zeros_like(logits).scatter_(-1, best, 1.0)
     if 0 < params.top_k < logits.shape[-1]:
         kth = top_n(logits, params.top_k)[0][..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -161,6 +161,7 @@ class RowKernels:
     exp_sum: ctypes._CFuncPtr  # (x, V, m, t, e) -> sum of e^((x - m) / t) in float64, the terms into e (or NULL)
     probs: ctypes._CFuncPtr  # (x, V, t, top_p, p) -> nonzero count, -1 without mass: softmax(x / t), then the nucleus
     draw: ctypes._CFuncPtr  # (p, V, u) -> the id u in [0, 1) draws by float64 cumulative sums, -1 without mass
+    summary: ctypes._CFuncPtr  # (x, R, V, n, ids, vals, log_z, threads) -> fewest found: top lists and log sum e^x, rows [R, V]
 
     @staticmethod
     def of(lib: ctypes.CDLL) -> "RowKernels":
@@ -170,6 +171,7 @@ class RowKernels:
             "row_exp_sum": (f64, [ptr, long, f32, f32, ptr]),
             "row_probs": (long, [ptr, long, f32, f32, ptr]),
             "row_draw": (long, [ptr, long, f64]),
+            "rows_summary": (ctypes.c_int, [ptr, long, long, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]),
         }
         fns = []
         for name, (restype, argtypes) in signatures.items():

@@ -9,7 +9,7 @@ import torch
 
 from specchat.engine import smallbatch
 from specchat.engine.loop import unwarped_alternatives
-from specchat.engine.sampling import SamplingParams, log_normaliser, logits_to_probs, sample, top_n
+from specchat.engine.sampling import SamplingParams, log_normaliser, logits_to_probs, sample, top_n, tops_of
 
 pytestmark = pytest.mark.skipif(smallbatch.rows is None, reason="the kernel library does not build here")
 
@@ -122,3 +122,35 @@ def test_the_inspectors_unwarped_probabilities_are_the_softmaxs():
         assert [p for _, p in top] == pytest.approx(values[:5].tolist(), rel=1e-5)
     assert log_normaliser(x).tolist() == pytest.approx(torch.logsumexp(x.double(), -1).tolist(), rel=1e-6)
     assert math.isinf(log_normaliser(torch.full((1, 20), float("-inf"))).item())
+
+
+@pytest.mark.parametrize("vocab", [3, 17, 40, 200, 49152 + 5])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_tops_split_across_threads_are_the_whole_rows(vocab, threads, monkeypatch):
+    """rows_summary: each thread's part of a row (parts of 16 columns, as the LM head's loop splits them; a part may be
+    empty) merged into the sorted top list with ties to the lower id, also for ties across parts, and the parts'
+    exp-sums into the row's log-sum-exp."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x = logit_rows(vocab + threads, vocab)
+    x[0] = torch.round(x[0])  # ties everywhere, across the parts' boundaries too
+    x[1, -min(8, vocab):] = 9.0  # the tied top at both ends of the row
+    n = min(5, vocab)
+    tops, ref = both(lambda: tops_of(x, n), monkeypatch)
+    sorted_values, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(tops.values, sorted_values[:, :n]) and torch.equal(tops.ids, sorted_ids[:, :n])
+    assert torch.equal(tops.ids, ref.ids)
+    assert tops.log_z == pytest.approx(torch.logsumexp(x.double(), -1).tolist(), rel=1e-6)
+    assert torch.equal(logits_to_probs(x, SamplingParams(0), tops), logits_to_probs(x, SamplingParams(0)))
+
+
+def test_tops_of_rows_without_a_full_list_are_the_librarys():
+    """A row of -inf has no normaliser; NaNs never enter a list (as top_n's), and a row with fewer other values than n
+    goes to the library path (as top_n)."""
+    x = torch.randn(2, 100)
+    x[0] = float("-inf")
+    tops = tops_of(x, 5)
+    assert math.isinf(tops.log_z[0]) and tops.log_z[1] == pytest.approx(torch.logsumexp(x[1].double(), -1).item(), rel=1e-6)
+    x[1, 3] = float("nan")
+    assert torch.equal(tops_of(x, 3).ids, top_n(x, 3)[1])
+    few = torch.tensor([[1.0, float("nan"), 3.0]])
+    assert tops_of(few, 3).ids.tolist() == top_n(few, 3)[1].tolist() == [[1, 2, 0]]

@@ -199,6 +199,7 @@ int smallbatch_linear_int8(const float *x, const signed char *w, const float *sc
    or on the thread count: every row is normalised, rotated and attended on its own, in a fixed order. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 struct layer {
@@ -1611,4 +1612,67 @@ long row_draw(const float *p, long V, double u) {
     long last = V - 1; /* x < total: unreachable but for rounding; the last entry with mass */
     while (last > 0 && !(p[last] > 0.0f)) last--;
     return last;
+}
+
+/* Where part t of P starts when V columns are split as the LM head's parallel loop splits its tasks of 16 rows
+   (OpenMP's static schedule: contiguous runs, the first T % P threads one task more): each thread then reads back
+   what it wrote, from its own caches. */
+static long part_start(long V, int t, int P) {
+    const long T = (V + 15) / 16, q = T / P, r = T % P, task = t * q + (t < r ? t : r);
+    return task * 16 < V ? task * 16 : V;
+}
+
+/* per row r of x [R, V]: its n <= 64 largest values and their ids (largest first, ties to the lower id), and log
+   sum_i e^x_i in float64 (-inf for a row of -inf), in one pass of the threads over their parts of each row and one
+   over it again with the row's maximum; parts' lists merged and their sums added in part order. Returns the fewest
+   values found in a row (n, unless a row has NaNs or fewer than n values), -1 out of memory. */
+int rows_summary(const float *x, long R, long V, int n, long *ids, float *vals, double *log_z, int threads) {
+    if (n < 1 || n > 64 || R < 1 || threads < 1) return -1;
+    const int P = threads > 16 ? 16 : threads;
+    long *part_ids = malloc(sizeof(long) * P * R * n);
+    float *part_vals = malloc(sizeof(float) * P * R * n);
+    int *found = malloc(sizeof(int) * P * R);
+    double *sums = malloc(sizeof(double) * P * R);
+    int fewest = -1, team = 1;
+    if (!part_ids || !part_vals || !found || !sums) goto done;
+#pragma omp parallel num_threads(P)
+    {
+        const int t = omp_get_thread_num(), parts = omp_get_num_threads();
+        const long a = part_start(V, t, parts), b = part_start(V, t + 1, parts);
+        for (long r = 0; r < R; r++) {
+            long *pi = part_ids + (t * R + r) * n;
+            found[t * R + r] = b > a ? row_top(x + r * V + a, b - a, n, pi, part_vals + (t * R + r) * n) : 0;
+            for (int j = 0; j < found[t * R + r]; j++) pi[j] += a;
+        }
+#pragma omp barrier
+        for (long r = 0; r < R; r++) {
+            float m = -INFINITY;
+            for (int u = 0; u < parts; u++)
+                if (found[u * R + r] && part_vals[(u * R + r) * n] > m) m = part_vals[(u * R + r) * n];
+            sums[t * R + r] = b > a && m > -INFINITY ? row_exp_sum(x + r * V + a, b - a, m, 1.0f, NULL) : 0.0;
+        }
+#pragma omp single
+        team = parts; /* (it may be below P) */
+    }
+    {
+        const int parts = team;
+        fewest = n;
+        for (long r = 0; r < R; r++) {
+            int have = 0;
+            float *v = vals + r * n;
+            long *id = ids + r * n;
+            for (int u = 0; u < parts; u++) /* parts in id order: an equal value from a later part stays behind */
+                for (int j = 0; j < found[u * R + r]; j++) {
+                    const float y = part_vals[(u * R + r) * n + j];
+                    if (have < n || y > v[n - 1]) have = top_insert(v, id, have, n, y, part_ids[(u * R + r) * n + j]);
+                }
+            double s = 0.0;
+            for (int u = 0; u < parts; u++) s += sums[u * R + r];
+            log_z[r] = have && s > 0.0 ? (double)v[0] + log(s) : -INFINITY;
+            if (have < fewest) fewest = have;
+        }
+    }
+done:
+    free(part_ids), free(part_vals), free(found), free(sums);
+    return fewest;
 }
