@@ -43,6 +43,8 @@ def test_every_mode_it_runs_gives_plain_greedy_decoding_s_tokens(lean):
         replies[mode] = [t.id for r in rounds for t in r.tokens]
         if mode in ("draft", "layerskip", "earlyexit"):
             assert any(t.kind == "accepted" for r in rounds for t in r.tokens), mode  # the draft really drafted
+        if mode == "draft":  # the file drafting for itself: the same logits, position by position, so no rejection
+            assert not any(t.kind == "resampled" for r in rounds for t in r.tokens)
     assert len(replies["off"]) >= 15  # a reply long enough to draft in (it ends at its EOS)
     for mode in ("lookup", "suffix", "auto", "draft", "layerskip", "earlyexit"):
         assert replies[mode] == replies["off"], mode

@@ -119,6 +119,11 @@ class ModelDrafter(Drafter):
         feed = [t if t < self.embed_size else self.stand_in for t in feed]
         if self.lean is None:
             return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
+        if self.vocab_ids is None:  # the whole step in one C call where it runs (the last layer's output not kept)
+            rows = torch.empty(len(feed), self.lean.norm_w.shape[0], dtype=self.lean.dtype, device=self.lean.device)
+            logits = self.lean.forward_into(feed, self.cache, len(self.cached), 1, rows)  # [1, V] or None
+            if logits is not None:
+                return align_vocab(logits[-1], vocab_size)
         hidden = self.lean.run(self.lean.embed(feed), range(self.lean.n_layers), self.cache, len(self.cached))[:, -1:]  # [1, 1, D]
         if self.vocab_ids is None:
             return align_vocab(self.lean.logits(hidden)[-1], vocab_size)
