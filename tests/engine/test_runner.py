@@ -350,6 +350,9 @@ with torch.inference_mode():
         many = runner.step(ids[120:136], cache, 120, keep=16)
         cache.crop(120)
         assert torch.equal(many, torch.cat([runner.step([ids[j]], cache, j, keep=1) for j in range(120, 136)])), kind
+        cache.crop(120)
+        hidden = torch.empty(16, runner.norm_w.shape[0])
+        assert torch.equal(runner.forward_into(ids[120:136], cache, 120, 16, hidden), many), kind  # all in one C call
 print("ok")
 """
 
