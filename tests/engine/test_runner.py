@@ -353,6 +353,12 @@ with torch.inference_mode():
         cache.crop(120)
         hidden = torch.empty(16, runner.norm_w.shape[0])
         assert torch.equal(runner.forward_into(ids[120:136], cache, 120, 16, hidden), many), kind  # all in one C call
+from specchat.engine.sampling import tops_of
+x = torch.round(torch.randn(3, 49157, generator=torch.Generator().manual_seed(3)) * 4)  # ties across the threads' parts
+tops = tops_of(x, 5)
+order = torch.sort(x, dim=-1, descending=True, stable=True)
+assert torch.equal(tops.ids, order.indices[:, :5]) and torch.equal(tops.values, order.values[:, :5])
+assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(tops.log_z, torch.logsumexp(x.double(), -1).tolist()))
 print("ok")
 """
 
@@ -362,7 +368,7 @@ print("ok")
 @pytest.mark.slow
 def test_the_c_layer_built_for_avx2_only(tmp_path):
     """The same checks on a build for a CPU with AVX2 and no AVX-512 (-march=znver2, as an AMD machine builds it:
-    8 lanes, the generic lane sum), which this machine's own build never takes."""
+    8 lanes, the generic lane sum), which this machine's own build never takes; and its top lists of a round."""
     run = subprocess.run([sys.executable, "-c", LAYER_BUILT_FOR, "-march=znver2", str(tmp_path), str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -1623,9 +1623,9 @@ static long part_start(long V, int t, int P) {
 }
 
 /* per row r of x [R, V]: its n <= 64 largest values and their ids (largest first, ties to the lower id), and log
-   sum_i e^x_i in float64 (-inf for a row of -inf), in one pass of the threads over their parts of each row and one
-   over it again with the row's maximum; parts' lists merged and their sums added in part order. Returns the fewest
-   values found in a row (n, unless a row has NaNs or fewer than n values), -1 out of memory. */
+   sum_i e^x_i (-inf for a row of -inf), in one pass of the threads over their parts of each row and one over it again
+   with the row's maximum (row_exp_sum); the parts' lists merged and their sums added in part order, in float64. Returns
+   the fewest values found in a row (n, unless a row has NaNs or fewer than n values), -1 out of memory. */
 int rows_summary(const float *x, long R, long V, int n, long *ids, float *vals, double *log_z, int threads) {
     if (n < 1 || n > 64 || R < 1 || threads < 1) return -1;
     const int P = threads > 16 ? 16 : threads;
