@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
@@ -190,10 +189,13 @@ def generate(
 
 
 def _at(x: torch.Tensor, ids: list[int]) -> list[float]:
-    """[N, V] -> x[i, ids[i]] for each i < len(ids): through numpy on the CPU, where torch's indexing costs several
-    times more and a round gathers three times."""
+    """[N, V] -> x[i, ids[i]] for each i < len(ids): element by element through numpy on the CPU, where torch's
+    indexing (and numpy's fancy indexing) costs several times more and a round gathers three times."""
+    if not ids:  # a plain round's q
+        return []
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
-        return x.numpy()[np.arange(len(ids)), ids].tolist()
+        rows = x.numpy()
+        return [float(rows[i, t]) for i, t in enumerate(ids)]
     return x[torch.arange(len(ids), device=x.device), torch.tensor(ids, device=x.device)].tolist()
 
 
