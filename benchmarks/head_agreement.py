@@ -14,8 +14,12 @@ With `--k K` each head also drafts K tokens a round in the real loop (greedy, it
 and the script prints how often each draft position was accepted: later positions draft from the head's own
 predicted features, which is what EAGLE-3's training-time test (`train/head.py`, Recipe.depth) trains.
 
+With `--gguf` the target is the default model's GGUF file on the lean runner (its Q4_1 blocks, x rounded to int8:
+the features a head would read on `--engine lean`, which it was not trained on), the head's own weights as built
+for the float32 model; with `--k`, also a draft token's seconds against a round's verify.
+
     python benchmarks/head_agreement.py HEAD.safetensors [HEAD2.safetensors ...] [--prompts FILE.jsonl ...]
-        [--tokens 160] [--threads N] [--k K]
+        [--tokens 160] [--threads N] [--k K] [--gguf]
 """
 
 from __future__ import annotations
@@ -84,7 +88,9 @@ def loop_positions(drafter: HeadDrafter, target, state: TargetState, replies, k:
         assert out == tokens, "the head's loop left plain greedy decoding"
     drafted, accepted = stats.num_draft_tokens_per_pos, stats.num_accepted_tokens_per_pos
     positions = ", ".join(f"{i + 1}: {a / d:.3f} of {d}" for i, (a, d) in enumerate(zip(accepted, drafted)) if d)
-    return f"K={k}: accepted per position ({positions}); {stats.new_tokens / stats.rounds:.3f} tokens per target forward"
+    return (f"K={k}: accepted per position ({positions}); {stats.new_tokens / stats.rounds:.3f} tokens per target forward; "
+            f"a draft token {1e3 * stats.draft_s / max(sum(drafted), 1):.2f} ms, a round's verify "
+            f"{1e3 * stats.verify_s / stats.rounds:.2f} ms")
 
 
 def main() -> None:
@@ -95,11 +101,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--k", type=int, default=None, help="also run the loop at this K and report each draft position")
+    parser.add_argument("--gguf", action="store_true", help="the target: the default model's GGUF file on the lean runner")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.target, torch.device("cpu"), torch.float32)
     state = TargetState(target.model, runner="lean")
+    if args.gguf:
+        from specchat.engine.gguf_model import load_runner
+        from specchat.models import default_gguf
+
+        state = TargetState.on_runner(load_runner(default_gguf()), state.context_len)
     items = [json.loads(line) for path in args.prompts for line in Path(path).read_text().splitlines() if line.strip()]
     replies = []
     for item in items:
