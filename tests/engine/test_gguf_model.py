@@ -154,35 +154,6 @@ def test_a_forward_in_one_c_call_gives_the_step_s_logits_and_features_to_the_bit
     assert runner.forward_into(ids[:2], one_call, past, 1, torch.empty(runner.norm_w.shape[0], 2).t()) is None  # strided rows
 
 
-def test_a_file_s_runner_keeps_k_and_v_in_bfloat16_rounded_as_torch_rounds_them(tmp_path):
-    """On a file's blocks the cache is bfloat16: the C layer writes each key and value rounded to nearest even (layer
-    0's entries are the float32 cache's, converted by torch, to the bit) and attention reads them back widened, the
-    position's own included (the logits stay within bfloat16's rounding of the float32 cache's)."""
-    from specchat.engine.cache import KVCache
-
-    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
-    runner = load_runner(tmp_path / "k.gguf")
-    half = runner.new_cache()
-    full = KVCache(runner.n_layers, runner.n_kv_heads, runner.head_dim, torch.float32, runner.device)
-    assert half.dtype == torch.bfloat16
-    ids = [3, 17, 42, 5, 88, 1, 60, 9, 4, 11]
-    with torch.inference_mode():
-        got = runner.step(ids, half, 0, keep=len(ids))
-        want = runner.step(ids, full, 0, keep=len(ids))
-    n = len(ids)
-    assert torch.equal(half.keys[0][:, :, :n], full.keys[0][:, :, :n].to(torch.bfloat16))
-    assert torch.equal(half.values[0][:, :, :n], full.values[0][:, :, :n].to(torch.bfloat16))
-    scale = want.abs().max()
-    assert 0 < (got - want).abs().max() <= 0.02 * scale  # seen: ~0.3% (keys and values rounded to 8 bits of mantissa)
-    smallbatch.layers_enabled = False  # PyTorch's layers read the same cache the same way
-    try:
-        with torch.inference_mode():
-            in_pytorch = runner.step(ids, runner.new_cache(), 0, keep=n)
-    finally:
-        smallbatch.layers_enabled = True
-    assert (got - in_pytorch).abs().max() <= 0.02 * scale
-
-
 def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_caller_s_to_change(tmp_path, monkeypatch):
     """Up to 16 ids (a decode step, a verify) the rows come from the runner's own dequantised copies: the gguf
     package's rows to the bit, a fresh tensor each call, and the copies dropped past EMBEDDED_FLOATS; longer inputs

@@ -286,32 +286,13 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
     memcpy(x, r, hd * sizeof(float));
 }
 
-/* a . b[0..n-1], b float32 or bfloat16 (`kind`: a K/V cache's) */
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b, long n, const int kind) {
+static inline float dot(const float *a, const float *b, long n) {
     vec acc = {0};
     long i = 0;
-    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load_w(b, i, kind);
+    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
     float s = hsum_tree(acc);
-    for (; i < n; i++) s = __builtin_fmaf(a[i], w_at(b, i, kind), s);
+    for (; i < n; i++) s = __builtin_fmaf(a[i], b[i], s);
     return s;
-}
-
-/* a float32 as bfloat16, rounded to nearest even (torch's conversion; a NaN stays a quiet NaN) */
-static inline unsigned short to_bf16(float f) {
-    unsigned int u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* n floats into a K/V cache's row of `kind` (F32: copied; BF16: rounded) */
-static void store_kv(void *dst, const float *src, long n, int kind) {
-    if (kind == F32) {
-        memcpy(dst, src, n * sizeof(float));
-        return;
-    }
-    unsigned short *d = dst;
-    for (long i = 0; i < n; i++) d[i] = to_bf16(src[i]);
 }
 
 static inline vec vselect(ivec mask, vec a, vec b) { /* a where mask is all ones, else b */
@@ -357,14 +338,14 @@ static inline float sexp(float x) {
 
 /* out[m, hd] = p[m, n] V / sum[m] for m <= HEADS heads in one pass over the values, each head's sums in the order of a
    pass of its own (key after key): several heads' independent sums hide the latency of one head's */
-static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const void *v, long hd,
-                                                                const float *sum, float *out, const long m, const int kind) {
+static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const float *v, long hd,
+                                                                const float *sum, float *out, const long m) {
     long d = 0;
     for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of each head's output stay in registers over all keys */
         vec acc[HEADS][4] = {{{0}}};
         for (long j = 0; j < n; j++) {
             vec vj[4];
-            for (int c = 0; c < 4; c++) vj[c] = load_w(v, j * hd + d + c * LANES, kind);
+            for (int c = 0; c < 4; c++) vj[c] = load(v + j * hd + d + c * LANES);
 #pragma GCC unroll 4
             for (long a = 0; a < m; a++)
 #pragma GCC unroll 4
@@ -379,19 +360,19 @@ static inline __attribute__((always_inline)) void attend_values(const float *p, 
     for (; d < hd; d++)
         for (long a = 0; a < m; a++) {
             float acc = 0.0f;
-            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], w_at(v, j * hd + d, kind), acc);
+            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], v[j * hd + d], acc);
             out[a * hd + d] = acc / sum[a];
         }
 }
 
 /* out[r, hd] = softmax(scale * q_a . K[0..n-1]) V for the r query heads a that share one KV head (rows of stride
-   hd; K and V float32 or bfloat16, `kind`): each key and value is read once for all r. p: r * (n + 1) floats of
-   scratch. Head a's sums run in the same order whatever r is. */
-static inline __attribute__((always_inline)) void attend_kind(const float *q, long r, const void *k, const void *v, long n,
-                                                              long hd, float scale, float *p, float *out, const int kind) {
+   hd): each key and value is read once for all r. p: r * (n + 1) floats of scratch. Head a's sums run in the same
+   order whatever r is. */
+static void attend(const float *q, long r, const float *k, const float *v, long n, long hd, float scale, float *p,
+                   float *out) {
     float *sum = p + r * n;
     for (long j = 0; j < n; j++)
-        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, (const char *)k + j * hd * kind, hd, kind);
+        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, k + j * hd, hd);
     for (long a = 0; a < r; a++) {
         float *pa = p + a * n, m = -INFINITY;
         long j = 0;
@@ -417,22 +398,14 @@ static inline __attribute__((always_inline)) void attend_kind(const float *q, lo
     for (long a = 0; a < r; a += HEADS) {
         const long m = r - a < HEADS ? r - a : HEADS;
         switch (m) { /* a constant count of heads keeps their sums in registers */
-        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1, kind); break;
-        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2, kind); break;
+        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1); break;
+        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2); break;
 #if HEADS > 2
-        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3, kind); break;
-        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4, kind); break;
+        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3); break;
+        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4); break;
 #endif
         }
     }
-}
-
-static void attend(const float *q, long r, const void *k, const void *v, long n, long hd, float scale, float *p,
-                   float *out, int kind) {
-    if (kind == BF16)
-        attend_kind(q, r, k, v, n, hd, scale, p, out, BF16);
-    else
-        attend_kind(q, r, k, v, n, hd, scale, p, out, F32);
 }
 
 /* SiLU(gate) * up over n floats */
@@ -446,14 +419,12 @@ static void silu_mul(const float *gate, const float *up, float *y, long n) {
 }
 
 /* h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values [Hkv, capacity, hd] with
-   capacity >= past + S, float32 or bfloat16 (`kv`: F32 or BF16; K and V rounded to it as they are written, and read
-   back from it, the position's own included). Returns 0, or -1 for a shape it does not take or memory it could not
-   get (the caller checks the shapes first: smallbatch.layer_weights). */
-int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, void *keys,
-                     void *values, long capacity, long past, int threads, int kv) {
+   capacity >= past + S. Returns 0, or -1 for a shape it does not take or memory it could not get (the caller
+   checks the shapes first: smallbatch.layer_weights). */
+int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, float *keys,
+                     float *values, long capacity, long past, int threads) {
     const long D = L->D, H = L->H, Hkv = L->Hkv, hd = L->hd, I = L->I, n_rep = H / Hkv, Q = (H + 2 * Hkv) * hd;
-    if (S < 1 || S > 16 || hd > 512 || H % Hkv || past + S > capacity || (kv != F32 && kv != BF16)) return -1;
-    char *K = keys, *V = values; /* rows of hd * kv bytes */
+    if (S < 1 || S > 16 || hd > 512 || H % Hkv || past + S > capacity) return -1;
     float *x = malloc(sizeof(float) * S * D), *qkv = malloc(sizeof(float) * S * Q), *att = malloc(sizeof(float) * S * H * hd);
     float *gu = malloc(sizeof(float) * S * 2 * I), *act = malloc(sizeof(float) * S * I), *y = malloc(sizeof(float) * S * D);
     int status = -1;
@@ -470,8 +441,8 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
             rope(head, cos + s * hd, sin_signed + s * hd, hd);
         }
         for (long g = 0; g < Hkv; g++) {
-            store_kv(K + (g * capacity + past + s) * hd * kv, row + (H + g) * hd, hd, kv);
-            store_kv(V + (g * capacity + past + s) * hd * kv, row + (H + Hkv + g) * hd, hd, kv);
+            memcpy(keys + (g * capacity + past + s) * hd, row + (H + g) * hd, hd * sizeof(float));
+            memcpy(values + (g * capacity + past + s) * hd, row + (H + Hkv + g) * hd, hd * sizeof(float));
         }
     }
     /* row s of the query heads sharing KV head g attends to positions 0..past+s; work items (s, g) in any order */
@@ -489,8 +460,8 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
         for (long it = 0; it < items; it++) {
             if (!p) continue;
             const long s = it / Hkv, g = it % Hkv;
-            attend(qkv + s * Q + g * n_rep * hd, n_rep, K + g * capacity * hd * kv, V + g * capacity * hd * kv,
-                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd, kv);
+            attend(qkv + s * Q + g * n_rep * hd, n_rep, keys + g * capacity * hd, values + g * capacity * hd,
+                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd);
         }
         free(p);
     }
@@ -512,9 +483,9 @@ done:
 /* layers L[0..n-1] in turn on h, layer i's K/V in keys[i], values[i] (capacity[i] positions): a forward is one call
    (from Python, a call a layer costs ~10 us of a small model's ~70 us layer) */
 int smallbatch_layers(const struct layer *const *L, int n, float *h, long S, const float *cos, const float *sin_signed,
-                      void *const *keys, void *const *values, const long *capacity, long past, int threads, int kv) {
+                      float *const *keys, float *const *values, const long *capacity, long past, int threads) {
     for (int i = 0; i < n; i++)
-        if (smallbatch_layer(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, threads, kv)) return -1;
+        if (smallbatch_layer(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, threads)) return -1;
     return 0;
 }
 
@@ -536,13 +507,13 @@ int smallbatch_logits(const struct layer *head, const float *h, long S, long N, 
    `keep` rows. The same arithmetic as those calls one by one; from Python each step between them was a few library
    calls that found their code and data evicted by the weights' stream. */
 int smallbatch_forward(const struct layer *const *L, int n, const float *const *rows, float *h, long S,
-                       const float *cos, const float *sin_signed, void *const *keys, void *const *values,
+                       const float *cos, const float *sin_signed, float *const *keys, float *const *values,
                        const long *capacity, long past, const struct layer *head, long N, long keep, float *logits,
-                       int threads, int kv) {
+                       int threads) {
     if (n < 1 || keep < 1 || keep > S) return -1;
     const long D = head->D, hd = L[0]->hd;
     for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
-    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads, kv))
+    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads))
         return -1;
     return smallbatch_logits(head, h + (S - keep) * D, keep, N, logits, threads);
 }
