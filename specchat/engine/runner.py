@@ -238,7 +238,11 @@ class Runner:
 
     # ------------------------------------------------------------ state
     def new_cache(self, rows: int = 1) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype, self.device, rows)
+        """A KV cache for this runner: float16 on a GGUF file's blocks (a step after a long context re-reads every
+        key and value, evicted by the weights' stream: half the bytes, as llama.cpp keeps them), else the model's
+        dtype."""
+        dtype = torch.float16 if self.reads_blocks else self.dtype
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, dtype, self.device, rows)
 
     @property
     def vocab_size(self) -> int:
@@ -324,7 +328,7 @@ class Runner:
         """Per layer, the C layer's weights (None: that layer runs in PyTorch), or None when no layer runs in C for
         this call: the kernel not loaded, not float32 on the CPU, batched rows, more than MAX_ROWS rows, no KVCache."""
         if not (
-            smallbatch.layer_usable() and isinstance(cache, KVCache) and cache.rows == 1 and cache.dtype == torch.float32
+            smallbatch.layer_usable() and isinstance(cache, KVCache) and cache.rows == 1 and cache.dtype in smallbatch.KV_KINDS
             and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and hidden.shape[0] == 1
             and 1 <= hidden.shape[1] <= MAX_ROWS and not torch.is_grad_enabled()
         ):
@@ -429,6 +433,7 @@ def decoder_layer(b: Block, s: Shape, h, cache, i, past, cos, sin, mask) -> torc
     q, k, v = qk[:, :, :H], qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)  # [B, S, H, hd], [B, H_kv, S, hd] x 2
     if cache is not None:
         k, v = cache.write(i, k, v, past)  # [B, H_kv, past + S, hd]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype (float16 on a file's blocks): read as the C layer reads it
     q = q.transpose(1, 2)  # [B, H, S, hd]
     if S == 1 or (mask is not None and s.n_rep > 1):
         # GQA packed: the n_rep query heads sharing a KV head become rows of one query block

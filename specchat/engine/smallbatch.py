@@ -127,18 +127,18 @@ def load(folder: Path) -> bool:
                 fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_long] * 3 + [ctypes.c_int]
             layer = lib.smallbatch_layer
             layer.restype = ctypes.c_int
-            ptr, long = ctypes.c_void_p, ctypes.c_long  # L, h, S, cos, sin, keys, values, capacity, past, threads
-            layer.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, ptr, ptr, ptr, ptr, long, long, ctypes.c_int]
+            ptr, long = ctypes.c_void_p, ctypes.c_long  # L, h, S, cos, sin, keys, values, capacity, past, threads, kv kind
+            layer.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, ptr, ptr, ptr, ptr, long, long, ctypes.c_int, ctypes.c_int]
             layers = lib.smallbatch_layers
-            layers.restype = ctypes.c_int  # L[], n, h, S, cos, sin, keys[], values[], capacity[], past, threads
-            layers.argtypes = [ptr, ctypes.c_int, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.c_int]
+            layers.restype = ctypes.c_int  # L[], n, h, S, cos, sin, keys[], values[], capacity[], past, threads, kv kind
+            layers.argtypes = [ptr, ctypes.c_int, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.c_int, ctypes.c_int]
             logits = lib.smallbatch_logits
             logits.restype = ctypes.c_int  # head, h, S, N, y, threads
             logits.argtypes = [ctypes.POINTER(LayerWeights), ptr, long, long, ptr, ctypes.c_int]
             forward = lib.smallbatch_forward
-            forward.restype = ctypes.c_int  # L[], n, rows[], h, S, cos, sin, keys[], values[], capacity[], past, head, N, keep, logits, threads
+            forward.restype = ctypes.c_int  # L[], n, rows[], h, S, cos, sin, keys[], values[], capacity[], past, head, N, keep, logits, threads, kv kind
             forward.argtypes = [ptr, ctypes.c_int, ptr, ptr, long, ptr, ptr, ptr, ptr, ptr, long, ctypes.POINTER(LayerWeights),
-                                long, long, ptr, ctypes.c_int]
+                                long, long, ptr, ctypes.c_int, ctypes.c_int]
             gguf = lib.gguf_linear
             gguf.restype = ctypes.c_int  # x, w, type, y, S, N, D, threads, reference
             gguf.argtypes = [ptr, ptr, ctypes.c_int, ptr, long, long, long, ctypes.c_int, ctypes.c_int]
@@ -402,6 +402,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeights, reference: bool = False) -> tor
 
 SILU = {"SiLU", "SiLUActivation"}  # torch's module, transformers' (both F.silu)
 KINDS = {torch.float32: 4, torch.bfloat16: 2}  # the C code's weight kinds by bytes per weight; Int8Weights: 1
+KV_KINDS = {torch.float32: 4, torch.float16: 3}  # and its K/V caches' (F32, F16)
 
 
 class LayerWeights(ctypes.Structure):
@@ -485,11 +486,11 @@ def layer_usable() -> bool:
 def layer(L: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, past: int) -> None:
     """One decoder layer in C on h [1, S, D] in place (float32, contiguous, S <= MAX_ROWS), its K/V written at
-    positions past..past+S-1 of keys, values [1, H_kv, capacity, hd] (float32, contiguous); cos, sin_signed
+    positions past..past+S-1 of keys, values [1, H_kv, capacity, hd] (float32 or float16, contiguous); cos, sin_signed
     [S, hd] contiguous (engine/runner.py's tables)."""
     S = h.shape[1]
     status = _fn_layer(ctypes.byref(L), h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(),
-                       values.data_ptr(), keys.shape[2], past, torch.get_num_threads())
+                       values.data_ptr(), keys.shape[2], past, torch.get_num_threads(), KV_KINDS[keys.dtype])
     if status != 0:
         raise MemoryError(f"the fused decoder layer could not run ({S} rows at position {past})")
 
@@ -534,7 +535,7 @@ def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signe
     n, S = len(Ls), h.shape[1]
     structs, keys, values, capacity = (args or LayerArgs()).arrays(Ls, kv)
     status = _fn_layers(structs, n, h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys, values, capacity, past,
-                        torch.get_num_threads())
+                        torch.get_num_threads(), KV_KINDS[kv[0][0].dtype])
     if status != 0:
         raise MemoryError(f"the fused decoder layers could not run ({S} rows at position {past})")
 
@@ -559,7 +560,7 @@ def forward(Ls: list[LayerWeights], rows: list[torch.Tensor], h: torch.Tensor, c
     y = torch.empty(keep, N, dtype=torch.float32)  # [keep, N]
     pointers = (ctypes.c_void_p * S)(*[r.data_ptr() for r in rows])
     status = _fn_forward(structs, len(Ls), pointers, h.data_ptr(), S, cos.data_ptr(), sin_signed.data_ptr(), keys, values,
-                         capacity, past, ctypes.byref(head), N, keep, y.data_ptr(), torch.get_num_threads())
+                         capacity, past, ctypes.byref(head), N, keep, y.data_ptr(), torch.get_num_threads(), KV_KINDS[cache.dtype])
     if status != 0:
         raise MemoryError(f"the fused forward could not run ({S} rows at position {past})")
     return y

@@ -4,6 +4,9 @@ and a one-line refusal for what it does not read."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -152,6 +155,70 @@ def test_a_forward_in_one_c_call_gives_the_step_s_logits_and_features_to_the_bit
             assert torch.equal(one_call.keys[i][:, :, :past], by_parts.keys[i][:, :, :past])
             assert torch.equal(one_call.values[i][:, :, :past], by_parts.values[i][:, :, :past])
     assert runner.forward_into(ids[:2], one_call, past, 1, torch.empty(runner.norm_w.shape[0], 2).t()) is None  # strided rows
+
+
+def test_a_file_s_runner_keeps_k_and_v_in_float16_rounded_as_torch_rounds_them(tmp_path):
+    """On a file's blocks the cache is float16: the C layer writes each key and value rounded to nearest even (layer
+    0's entries are the float32 cache's, converted by torch, to the bit) and attention reads them back widened, the
+    position's own included. The logits move by what any perturbation moves them: x's rounding to int8 turns a change
+    in the last bit into a change of an int8 step."""
+    from specchat.engine.cache import KVCache
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True)
+    runner = load_runner(tmp_path / "k.gguf")
+    half = runner.new_cache()
+    full = KVCache(runner.n_layers, runner.n_kv_heads, runner.head_dim, torch.float32, runner.device)
+    assert half.dtype == torch.float16
+    ids = [3, 17, 42, 5, 88, 1, 60, 9, 4, 11]
+    with torch.inference_mode():
+        got = runner.step(ids, half, 0, keep=len(ids))
+        want = runner.step(ids, full, 0, keep=len(ids))
+    n = len(ids)
+    assert torch.equal(half.keys[0][:, :, :n], full.keys[0][:, :, :n].to(torch.float16))
+    assert torch.equal(half.values[0][:, :, :n], full.values[0][:, :, :n].to(torch.float16))
+    scale = want.abs().max()
+    assert 0 < (got - want).abs().max() <= 0.1 * scale
+    smallbatch.layers_enabled = False  # PyTorch's layers read the same cache the same way
+    try:
+        with torch.inference_mode():
+            in_pytorch = runner.step(ids, runner.new_cache(), 0, keep=n)
+    finally:
+        smallbatch.layers_enabled = True
+    assert (got - in_pytorch).abs().max() <= 0.1 * scale
+
+
+F16_WITHOUT_F16C = """
+import pathlib, sys, torch
+sys.path[:0] = [sys.argv[2], str(pathlib.Path(sys.argv[2]).parent)]  # the test's folder and tests/ (support)
+from specchat.engine import smallbatch
+smallbatch.FLAGS[1] = "-march=x86-64"  # no F16C: the C code's own rounding to float16
+assert smallbatch.load(pathlib.Path(sys.argv[1]))
+from test_gguf_model import write_k_quant_qwen2
+from specchat.engine.cache import KVCache
+from specchat.engine.gguf_model import load_runner
+write_k_quant_qwen2(pathlib.Path(sys.argv[1]) / "k.gguf", tied=True)
+runner = load_runner(pathlib.Path(sys.argv[1]) / "k.gguf")
+half = runner.new_cache()
+full = KVCache(runner.n_layers, runner.n_kv_heads, runner.head_dim, torch.float32, runner.device)
+with torch.inference_mode():
+    runner.step(list(range(5, 45)), half, 0, keep=1)
+    runner.step(list(range(5, 45)), full, 0, keep=1)
+k, v = full.keys[0][:, :, :40], full.values[0][:, :, :40]
+assert torch.equal(half.keys[0][:, :, :40], k.to(torch.float16)) and torch.equal(half.values[0][:, :, :40], v.to(torch.float16))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="a build without F16C is an x86 build")
+def test_a_build_without_f16c_rounds_k_and_v_to_float16_as_torch_does(tmp_path):
+    """The C code's own rounding to float16 (CPUs without F16C) gives torch's bits on a layer's keys and values."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", F16_WITHOUT_F16C, str(tmp_path), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
 def test_a_decode_step_s_embedding_row_is_the_file_s_dequantised_once_and_the_caller_s_to_change(tmp_path, monkeypatch):

@@ -286,13 +286,74 @@ static void rope(float *x, const float *cos, const float *sin_signed, long hd) {
     memcpy(x, r, hd * sizeof(float));
 }
 
-static inline float dot(const float *a, const float *b, long n) {
+/* A K/V cache holds float32 (kind F32) or float16 (F16: half the bytes a step after a long context re-reads; what
+   llama.cpp keeps); a row of it is read widened to float32. */
+enum { F16 = 3 };
+static inline long kv_bytes(int kind) { return kind == F32 ? 4 : 2; }
+
+static inline float half_to_float(unsigned short h);
+
+/* LANES float16 values as float32 (exact) */
+static inline vec load_f16(const unsigned short *p) {
+    vec v;
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__F16C__) && defined(__AVX__)
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &f, sizeof v);
+#else
+    for (int l = 0; l < LANES; l++) v[l] = half_to_float(p[l]);
+#endif
+    return v;
+}
+
+static inline vec load_kv(const void *p, long i, const int kind) {
+    return kind == F32 ? load((const float *)p + i) : load_f16((const unsigned short *)p + i);
+}
+
+static inline float kv_at(const void *p, long i, const int kind) {
+    return kind == F32 ? ((const float *)p)[i] : half_to_float(((const unsigned short *)p)[i]);
+}
+
+/* a . b[0..n-1], b a K/V cache's row of `kind` */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, long n, const int kind) {
     vec acc = {0};
     long i = 0;
-    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load(b + i);
+    for (; i + LANES <= n; i += LANES) acc += load(a + i) * load_kv(b, i, kind);
     float s = hsum_tree(acc);
-    for (; i < n; i++) s = __builtin_fmaf(a[i], b[i], s);
+    for (; i < n; i++) s = __builtin_fmaf(a[i], kv_at(b, i, kind), s);
     return s;
+}
+
+/* a float32 as float16, rounded to nearest even (IEEE's conversion, torch's .half(): the same bits with F16C or
+   without; past 65504 it is infinite, a NaN stays a quiet NaN) */
+static inline unsigned short to_f16(float f) {
+#if defined(__F16C__)
+    return (unsigned short)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    unsigned int x;
+    memcpy(&x, &f, sizeof x);
+    const unsigned int sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below half's smallest normal: a multiple of 2^-24 (exact scaling), rounded to even */
+        float v;
+        memcpy(&v, &a, sizeof v);
+        return (unsigned short)(sign | (unsigned int)nearbyintf(v * 16777216.0f));
+    }
+    return (unsigned short)(sign | ((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+#endif
+}
+
+/* n floats into a K/V cache's row of `kind` (F32: copied; F16: rounded) */
+static void store_kv(void *dst, const float *src, long n, int kind) {
+    if (kind == F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    unsigned short *d = dst;
+    for (long i = 0; i < n; i++) d[i] = to_f16(src[i]);
 }
 
 static inline vec vselect(ivec mask, vec a, vec b) { /* a where mask is all ones, else b */
@@ -338,14 +399,14 @@ static inline float sexp(float x) {
 
 /* out[m, hd] = p[m, n] V / sum[m] for m <= HEADS heads in one pass over the values, each head's sums in the order of a
    pass of its own (key after key): several heads' independent sums hide the latency of one head's */
-static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const float *v, long hd,
-                                                                const float *sum, float *out, const long m) {
+static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const void *v, long hd,
+                                                                const float *sum, float *out, const long m, const int kind) {
     long d = 0;
     for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of each head's output stay in registers over all keys */
         vec acc[HEADS][4] = {{{0}}};
         for (long j = 0; j < n; j++) {
             vec vj[4];
-            for (int c = 0; c < 4; c++) vj[c] = load(v + j * hd + d + c * LANES);
+            for (int c = 0; c < 4; c++) vj[c] = load_kv(v, j * hd + d + c * LANES, kind);
 #pragma GCC unroll 4
             for (long a = 0; a < m; a++)
 #pragma GCC unroll 4
@@ -360,19 +421,19 @@ static inline __attribute__((always_inline)) void attend_values(const float *p, 
     for (; d < hd; d++)
         for (long a = 0; a < m; a++) {
             float acc = 0.0f;
-            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], v[j * hd + d], acc);
+            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], kv_at(v, j * hd + d, kind), acc);
             out[a * hd + d] = acc / sum[a];
         }
 }
 
 /* out[r, hd] = softmax(scale * q_a . K[0..n-1]) V for the r query heads a that share one KV head (rows of stride
-   hd): each key and value is read once for all r. p: r * (n + 1) floats of scratch. Head a's sums run in the same
-   order whatever r is. */
-static void attend(const float *q, long r, const float *k, const float *v, long n, long hd, float scale, float *p,
-                   float *out) {
+   hd; K and V float32 or float16, `kind`): each key and value is read once for all r. p: r * (n + 1) floats of
+   scratch. Head a's sums run in the same order whatever r is. */
+static inline __attribute__((always_inline)) void attend_kind(const float *q, long r, const void *k, const void *v, long n,
+                                                              long hd, float scale, float *p, float *out, const int kind) {
     float *sum = p + r * n;
     for (long j = 0; j < n; j++)
-        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, k + j * hd, hd);
+        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, (const char *)k + j * hd * kv_bytes(kind), hd, kind);
     for (long a = 0; a < r; a++) {
         float *pa = p + a * n, m = -INFINITY;
         long j = 0;
@@ -398,14 +459,22 @@ static void attend(const float *q, long r, const float *k, const float *v, long 
     for (long a = 0; a < r; a += HEADS) {
         const long m = r - a < HEADS ? r - a : HEADS;
         switch (m) { /* a constant count of heads keeps their sums in registers */
-        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1); break;
-        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2); break;
+        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1, kind); break;
+        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2, kind); break;
 #if HEADS > 2
-        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3); break;
-        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4); break;
+        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3, kind); break;
+        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4, kind); break;
 #endif
         }
     }
+}
+
+static void attend(const float *q, long r, const void *k, const void *v, long n, long hd, float scale, float *p,
+                   float *out, int kind) {
+    if (kind == F16)
+        attend_kind(q, r, k, v, n, hd, scale, p, out, F16);
+    else
+        attend_kind(q, r, k, v, n, hd, scale, p, out, F32);
 }
 
 /* SiLU(gate) * up over n floats */
@@ -419,12 +488,15 @@ static void silu_mul(const float *gate, const float *up, float *y, long n) {
 }
 
 /* h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values [Hkv, capacity, hd] with
-   capacity >= past + S. Returns 0, or -1 for a shape it does not take or memory it could not get (the caller
-   checks the shapes first: smallbatch.layer_weights). */
-int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, float *keys,
-                     float *values, long capacity, long past, int threads) {
+   capacity >= past + S, float32 or float16 (`kv`: F32 or F16; K and V rounded to it as they are written, and read
+   back from it, the position's own included). Returns 0, or -1 for a shape it does not take or memory it could not
+   get (the caller checks the shapes first: smallbatch.layer_weights). */
+int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, void *keys,
+                     void *values, long capacity, long past, int threads, int kv) {
     const long D = L->D, H = L->H, Hkv = L->Hkv, hd = L->hd, I = L->I, n_rep = H / Hkv, Q = (H + 2 * Hkv) * hd;
-    if (S < 1 || S > 16 || hd > 512 || H % Hkv || past + S > capacity) return -1;
+    if (S < 1 || S > 16 || hd > 512 || H % Hkv || past + S > capacity || (kv != F32 && kv != F16)) return -1;
+    char *K = keys, *V = values; /* rows of hd * kv_bytes(kv) bytes */
+    const long kb = kv_bytes(kv);
     float *x = malloc(sizeof(float) * S * D), *qkv = malloc(sizeof(float) * S * Q), *att = malloc(sizeof(float) * S * H * hd);
     float *gu = malloc(sizeof(float) * S * 2 * I), *act = malloc(sizeof(float) * S * I), *y = malloc(sizeof(float) * S * D);
     int status = -1;
@@ -441,8 +513,8 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
             rope(head, cos + s * hd, sin_signed + s * hd, hd);
         }
         for (long g = 0; g < Hkv; g++) {
-            memcpy(keys + (g * capacity + past + s) * hd, row + (H + g) * hd, hd * sizeof(float));
-            memcpy(values + (g * capacity + past + s) * hd, row + (H + Hkv + g) * hd, hd * sizeof(float));
+            store_kv(K + (g * capacity + past + s) * hd * kb, row + (H + g) * hd, hd, kv);
+            store_kv(V + (g * capacity + past + s) * hd * kb, row + (H + Hkv + g) * hd, hd, kv);
         }
     }
     /* row s of the query heads sharing KV head g attends to positions 0..past+s; work items (s, g) in any order */
@@ -460,8 +532,8 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
         for (long it = 0; it < items; it++) {
             if (!p) continue;
             const long s = it / Hkv, g = it % Hkv;
-            attend(qkv + s * Q + g * n_rep * hd, n_rep, keys + g * capacity * hd, values + g * capacity * hd,
-                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd);
+            attend(qkv + s * Q + g * n_rep * hd, n_rep, K + g * capacity * hd * kb, V + g * capacity * hd * kb,
+                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd, kv);
         }
         free(p);
     }
@@ -483,9 +555,9 @@ done:
 /* layers L[0..n-1] in turn on h, layer i's K/V in keys[i], values[i] (capacity[i] positions): a forward is one call
    (from Python, a call a layer costs ~10 us of a small model's ~70 us layer) */
 int smallbatch_layers(const struct layer *const *L, int n, float *h, long S, const float *cos, const float *sin_signed,
-                      float *const *keys, float *const *values, const long *capacity, long past, int threads) {
+                      void *const *keys, void *const *values, const long *capacity, long past, int threads, int kv) {
     for (int i = 0; i < n; i++)
-        if (smallbatch_layer(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, threads)) return -1;
+        if (smallbatch_layer(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, threads, kv)) return -1;
     return 0;
 }
 
@@ -507,13 +579,13 @@ int smallbatch_logits(const struct layer *head, const float *h, long S, long N, 
    `keep` rows. The same arithmetic as those calls one by one; from Python each step between them was a few library
    calls that found their code and data evicted by the weights' stream. */
 int smallbatch_forward(const struct layer *const *L, int n, const float *const *rows, float *h, long S,
-                       const float *cos, const float *sin_signed, float *const *keys, float *const *values,
+                       const float *cos, const float *sin_signed, void *const *keys, void *const *values,
                        const long *capacity, long past, const struct layer *head, long N, long keep, float *logits,
-                       int threads) {
+                       int threads, int kv) {
     if (n < 1 || keep < 1 || keep > S) return -1;
     const long D = head->D, hd = L[0]->hd;
     for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
-    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads))
+    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads, kv))
         return -1;
     return smallbatch_logits(head, h + (S - keep) * D, keep, N, logits, threads);
 }
