@@ -502,31 +502,35 @@ class LayerArgs:
     What they point at is held with them (kept alive), all in one tuple (a thread sees the old or the new one)."""
 
     def __init__(self) -> None:
-        self.last: tuple = ([], [], None)  # (Ls, kv, (structs, keys, values, capacity))
+        self.last: tuple = ([], [], None)  # (Ls, kv or (cache, version), (structs, keys, values, capacity))
 
     def arrays(self, Ls: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
         old_Ls, old_kv, arrays = self.last
-        if (len(Ls) == len(old_Ls) and all(a is b for a, b in zip(Ls, old_Ls))
+        if (self._same(Ls, old_Ls) and isinstance(old_kv, list)
                 and all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv, old_kv))):
             return arrays
-        n = len(Ls)
-        arrays = ((ctypes.c_void_p * n)(*[ctypes.addressof(L) for L in Ls]),
-                  (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv]),
-                  (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv]),
-                  (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv]))
-        self.last = (list(Ls), list(kv), arrays)
-        return arrays
+        self.last = (list(Ls), list(kv), self._built(Ls, kv))
+        return self.last[2]
 
     def of_cache(self, Ls: list[LayerWeights], cache) -> tuple:
         """`arrays` for Ls over every layer of a KVCache, checked by the cache's `version` rather than layer by layer."""
         old_Ls, old_key, arrays = self.last
-        if old_key == (cache, cache.version) and len(Ls) == len(old_Ls) and all(a is b for a, b in zip(Ls, old_Ls)):
+        if self._same(Ls, old_Ls) and old_key == (cache, cache.version):
             return arrays
-        self.last = ([], [], None)
-        arrays = self.arrays(Ls, list(zip(cache.keys, cache.values)))
-        self.last = (list(Ls), (cache, cache.version), arrays)
-        return arrays
+        self.last = (list(Ls), (cache, cache.version), self._built(Ls, list(zip(cache.keys, cache.values))))
+        return self.last[2]
 
+    @staticmethod
+    def _same(Ls: list[LayerWeights], old_Ls: list[LayerWeights]) -> bool:
+        return len(Ls) == len(old_Ls) and all(a is b for a, b in zip(Ls, old_Ls))
+
+    @staticmethod
+    def _built(Ls: list[LayerWeights], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        n = len(Ls)
+        return ((ctypes.c_void_p * n)(*[ctypes.addressof(L) for L in Ls]),
+                (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv]),
+                (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv]),
+                (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv]))
 
 def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
            kv: list[tuple[torch.Tensor, torch.Tensor]], past: int, args: LayerArgs | None = None) -> None:

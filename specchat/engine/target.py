@@ -183,12 +183,14 @@ class TargetState(CachedTarget):
         """Feed `ids` at positions past.. (anything cached beyond `past` is dropped first); logits [keep, V]."""
         self._crop(past)
         if self.lean is not None:
-            end = past + len(ids)
-            kept = past <= self.known  # else a gap: no features (see record)
-            rows = self._feature_rows(past, end) if kept else self._feature_rows(0, len(ids), scratch=True)
+            end, width = past + len(ids), self.lean.norm_w.shape[0]
+            kept = past <= self.known  # else a gap: no features (see record), the outputs go to rows of their own
+            rows = (self._feature_rows(past, end) if kept
+                    else torch.empty(len(ids), width, dtype=self.lean.dtype, device=self.lean.device))
             logits = self.lean.forward_into(ids, self.cache, past, keep, rows)  # the features written in place
             if logits is not None:
-                self.known = end if kept else self.known
+                if kept:
+                    self.known = end
                 return logits
             hidden = self.lean.run(self.lean.embed(ids), range(self.lean.n_layers), self.cache, past)  # [1, S, D]
             self.record(hidden, past)
@@ -204,14 +206,11 @@ class TargetState(CachedTarget):
         self._feature_rows(past, end)[:] = hidden[0]
         self.known = end
 
-    def _feature_rows(self, past: int, end: int, scratch: bool = False) -> torch.Tensor:
-        """features[past:end] [end - past, D], grown CHUNK rows at a time keeping features[:past]; `scratch`: rows of
-        a new tensor instead."""
-        shape, dtype, device = (end - past, self.lean.norm_w.shape[0]), self.lean.dtype, self.lean.device
-        if scratch:
-            return torch.empty(shape, dtype=dtype, device=device)
+    def _feature_rows(self, past: int, end: int) -> torch.Tensor:
+        """features[past:end] [end - past, D], grown CHUNK rows at a time keeping features[:past]."""
         if self.features is None or self.features.shape[0] < end:
-            grown = torch.empty(-(-end // CHUNK) * CHUNK, shape[1], dtype=dtype, device=device)
+            lean = self.lean
+            grown = torch.empty(-(-end // CHUNK) * CHUNK, lean.norm_w.shape[0], dtype=lean.dtype, device=lean.device)
             if self.features is not None:
                 grown[:past] = self.features[:past]
             self.features = grown
