@@ -821,7 +821,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 
 #ifndef PREFETCH
-#define PREFETCH 2048
+#define PREFETCH 4096
 #endif
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 static inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
@@ -946,7 +946,7 @@ static inline __attribute__((always_inline)) void gguf_rows_simd(const float *x_
     int offsets = unsigned_weights(type);
     for (long n = n0; n < n1; n++) {
         const unsigned char *row = w + n * row_bytes;
-        __m256 acc[S], offset[S];
+        __m256 acc[16], offset[16]; /* [S] used: a constant size keeps them in registers, a variable one on the stack */
         for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
@@ -993,8 +993,8 @@ static inline __attribute__((always_inline)) void gguf_rows_simd512(const float 
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); /* lh[2j..2j+3], 4 lanes each */
     for (long n = n0; n < n1; n++) {
         const unsigned char *row = w + n * row_bytes;
-        __m512 acc[S];
-        __m256 offset[S];
+        __m512 acc[16];
+        __m256 offset[16];
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps(), offset[s] = _mm256_setzero_ps();
         for (long u0 = 0; u0 < nb; u0 += 8) {
             int units = nb - u0 < 8 ? (int)(nb - u0) : 8;
@@ -1125,6 +1125,11 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 
 #define PACKED 100   /* type PACKED + a ggml type: gguf_pack's layout */
 #define PACK_ROWS 16
+#if GGUF_LANES == 16
+#define PACKED_CHUNK 12 /* positions a pass takes: 2 registers each of 32, the rest for the weights */
+#else
+#define PACKED_CHUNK 8
+#endif
 
 static inline int pack_unit(int type) { return type == GGUF_Q6_K ? 16 : 32; } /* weights deep per row scale */
 static inline int pack_nibbles(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
@@ -1294,14 +1299,14 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (long g = g0; g < g1; g++) {
         const unsigned char *base = p + g * run;
-        __m512 acc[S];
+        __m512 acc[PACKED_CHUNK]; /* [S] used: a constant size keeps them in registers, a variable one on the stack */
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps();
         for (long u = 0; u < units; u++) {
             const unsigned char *unit = unit_at(type, base, u);
-            _mm_prefetch((const char *)unit + PREFETCH, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)unit + PREFETCH + 128, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 192, _MM_HINT_T0);
+            for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
+                _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
             const long b = u * U / QK;
-            __m512i sums[S];
+            __m512i sums[PACKED_CHUNK];
             for (long s = 0; s < S; s++)
                 sums[s] = k ? _mm512_set1_epi32(-k * x_isums[s * units + u]) : _mm512_setzero_si512();
             if (nib) {
@@ -1348,13 +1353,15 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
     for (long g = g0; g < g1; g++) {
         const unsigned char *base = p + g * run;
         for (int h = 0; h < 2; h++) {
-            __m256 acc[S];
+            __m256 acc[PACKED_CHUNK];
             for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
             for (long u = 0; u < units; u++) {
                 const unsigned char *unit = unit_at(type, base, u);
-                _mm_prefetch((const char *)unit + PREFETCH + 32 * h, _MM_HINT_T0), _mm_prefetch((const char *)unit + PREFETCH + 128 + 32 * h, _MM_HINT_T0);
+                if (h == 0)
+                    for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
+                _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
                 const long b = u * U / QK;
-                __m256i sums[S];
+                __m256i sums[PACKED_CHUNK];
                 for (long s = 0; s < S; s++)
                     sums[s] = k ? _mm256_set1_epi32(-k * x_isums[s * units + u]) : _mm256_setzero_si256();
                 if (nib) {
@@ -1435,7 +1442,6 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
 
 #if GGUF_LANES == 16
 #define PACKED_ROWS packed_rows512
-#define PACKED_CHUNK 12 /* positions a pass takes: 2 registers each of 32, the rest for the weights */
 #define PACKED_WIDE(t) \
             case 9: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 9, D, N, g0, g1, t); break; \
             case 10: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 10, D, N, g0, g1, t); break; \
@@ -1443,7 +1449,6 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
             default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 12, D, N, g0, g1, t); break;
 #else
 #define PACKED_ROWS packed_rows256
-#define PACKED_CHUNK 8
 #define PACKED_WIDE(t) default: break;
 #endif
 
