@@ -1359,7 +1359,7 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                 const unsigned char *unit = unit_at(type, base, u);
                 if (h == 0)
                     for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
-                _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+                        _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
                 const long b = u * U / QK;
                 __m256i sums[PACKED_CHUNK];
                 for (long s = 0; s < S; s++)
