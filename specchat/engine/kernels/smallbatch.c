@@ -395,22 +395,32 @@ static inline float sexp(float x) {
     return vexp(v)[0];
 }
 
-#define HEADS (LANES == 16 ? 4 : 2) /* query heads a pass over the values takes: 4 vectors of sums each, in registers */
+#define HEADS (LANES == 16 ? 4 : 2) /* query rows a pass over the values takes: 4 vectors of sums each, in registers */
 
-/* out[m, hd] = p[m, n] V / sum[m] for m <= HEADS heads in one pass over the values, each head's sums in the order of a
-   pass of its own (key after key): several heads' independent sums hide the latency of one head's */
-static inline __attribute__((always_inline)) void attend_values(const float *p, long n, const void *v, long hd,
-                                                                const float *sum, float *out, const long m, const int kind) {
+/* out[m, hd] = p[m, :n[m]] V / sum[m] for m <= HEADS query rows (p's rows `stride` apart, n nondecreasing) in one pass
+   over the values, each row's sums in the order of a pass of its own (key after key): several rows' independent sums
+   hide the latency of one row's */
+static inline __attribute__((always_inline)) void attend_values(const float *p, long stride, const long *n, const void *v,
+                                                                long hd, const float *sum, float *out, const long m,
+                                                                const int kind) {
     long d = 0;
-    for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of each head's output stay in registers over all keys */
+    for (; d + 4 * LANES <= hd; d += 4 * LANES) { /* 4 vectors of each row's output stay in registers over all keys */
         vec acc[HEADS][4] = {{{0}}};
-        for (long j = 0; j < n; j++) {
+        long j = 0;
+        for (; j < n[0]; j++) { /* keys every row attends to */
             vec vj[4];
             for (int c = 0; c < 4; c++) vj[c] = load_kv(v, j * hd + d + c * LANES, kind);
 #pragma GCC unroll 4
             for (long a = 0; a < m; a++)
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) acc[a][c] += p[a * n + j] * vj[c];
+                for (int c = 0; c < 4; c++) acc[a][c] += p[a * stride + j] * vj[c];
+        }
+        for (; j < n[m - 1]; j++) { /* the later positions' last keys */
+            vec vj[4];
+            for (int c = 0; c < 4; c++) vj[c] = load_kv(v, j * hd + d + c * LANES, kind);
+            for (long a = 0; a < m; a++)
+                if (j < n[a])
+                    for (int c = 0; c < 4; c++) acc[a][c] += p[a * stride + j] * vj[c];
         }
         for (long a = 0; a < m; a++)
             for (int c = 0; c < 4; c++) {
@@ -421,60 +431,128 @@ static inline __attribute__((always_inline)) void attend_values(const float *p, 
     for (; d < hd; d++)
         for (long a = 0; a < m; a++) {
             float acc = 0.0f;
-            for (long j = 0; j < n; j++) acc = __builtin_fmaf(p[a * n + j], kv_at(v, j * hd + d, kind), acc);
+            for (long j = 0; j < n[a]; j++) acc = __builtin_fmaf(p[a * stride + j], kv_at(v, j * hd + d, kind), acc);
             out[a * hd + d] = acc / sum[a];
         }
 }
 
-/* out[r, hd] = softmax(scale * q_a . K[0..n-1]) V for the r query heads a that share one KV head (rows of stride
-   hd; K and V float32 or float16, `kind`): each key and value is read once for all r. p: r * (n + 1) floats of
-   scratch. Head a's sums run in the same order whatever r is. */
-static inline __attribute__((always_inline)) void attend_kind(const float *q, long r, const void *k, const void *v, long n,
-                                                              long hd, float scale, float *p, float *out, const int kind) {
-    float *sum = p + r * n;
-    for (long j = 0; j < n; j++)
-        for (long a = 0; a < r; a++) p[a * n + j] = scale * dot(q + a * hd, (const char *)k + j * hd * kv_bytes(kind), hd, kind);
+/* The lane sums of LANES vectors x[0..LANES-1], sum l (of x[bitrev(l)]) in lane l, each by hsum_tree's pairs (lane i
+   + lane i + w for w = LANES / 2 .. 1). A level adds two vectors' halves into one: segment m of w lanes of the result
+   is vector (m % 2)'s segment m / 2 of 2w lanes, its first half plus its second; the masks below are those lanes
+   (the second vector's numbered from LANES). LANES - 1 additions and twice as many shuffles for LANES sums, where
+   sums of their own take LANES log2(LANES) of each. */
+#if LANES == 16
+#define LEVELS 4
+static const ivec SUM_LO[LEVELS] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+static const ivec SUM_HI[LEVELS] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}, {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}, {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+static const unsigned char BITREV[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+#define LEVELS 3
+static const ivec SUM_LO[LEVELS] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+static const ivec SUM_HI[LEVELS] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+static const unsigned char BITREV[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
+
+static inline __attribute__((always_inline)) vec lane_sums(vec *x) {
+#pragma GCC unroll 4
+    for (int level = 0, count = LANES; level < LEVELS; level++, count /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < count / 2; i++)
+            x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], SUM_LO[level]) + __builtin_shuffle(x[2 * i], x[2 * i + 1], SUM_HI[level]);
+    return x[0];
+}
+
+/* p[a * stride + j] = scale * q_a . k_j for j < n[a], the same bits as dot's, LANES keys at a time: their rows widened
+   once into kw [LANES, hd] for all r query rows (zeros past the last key), each row's LANES sums of products then
+   reduced together by lane_sums. hd a multiple of LANES. */
+static inline __attribute__((always_inline)) void scores(const float *q, long r, const long *n, const void *k, long hd,
+                                                         float scale, float *p, long stride, float *kw, const int kind) {
+    for (long j0 = 0, first = 0; j0 < stride; j0 += LANES) {
+        const long keys = stride - j0 < LANES ? stride - j0 : LANES;
+        for (long t = 0; t < LANES; t++)
+            for (long i = 0; i < hd; i += LANES) {
+                const vec x = t < keys ? load_kv(k, (j0 + t) * hd + i, kind) : (vec){0};
+                memcpy(kw + t * hd + i, &x, sizeof x);
+            }
+        while (n[first] <= j0) first++;
+        for (long a = first; a < r; a++) {
+            vec acc[LANES] = {{0}}; /* slot l: key bitrev(l) */
+            for (long i = 0; i < hd; i += LANES) {
+                const vec qi = load(q + a * hd + i);
+#pragma GCC unroll 16
+                for (int l = 0; l < LANES; l++) acc[l] += qi * load(kw + BITREV[l] * hd + i);
+            }
+            const vec y = scale * lane_sums(acc);
+            if (n[a] - j0 >= LANES)
+                memcpy(p + a * stride + j0, &y, sizeof y);
+            else
+                for (long t = 0; t < n[a] - j0; t++) p[a * stride + j0 + t] = y[t];
+        }
+    }
+}
+
+/* out[r, hd] = softmax(scale * q_i . K[0..n[i]-1]) V for r query rows i that share one KV head (rows of stride hd,
+   n nondecreasing: the heads of a group at one or more positions; K and V float32 or float16, `kind`): each key and
+   value is read once for all r. p: r * (n[r - 1] + 1) + LANES * hd floats of scratch. Row i's sums run in the same
+   order whatever rows it comes with. */
+static inline __attribute__((always_inline)) void attend_kind(const float *q, long r, const long *n, const void *k,
+                                                              const void *v, long hd, float scale, float *p, float *out,
+                                                              const int kind) {
+    const long stride = n[r - 1];
+    float *sum = p + r * stride;
+    if (hd % LANES == 0)
+        scores(q, r, n, k, hd, scale, p, stride, p + r * (stride + 1), kind);
+    else
+        for (long j = 0, first = 0; j < stride; j++) {
+            while (n[first] <= j) first++;
+            for (long a = first; a < r; a++) p[a * stride + j] = scale * dot(q + a * hd, (const char *)k + j * hd * kv_bytes(kind), hd, kind);
+        }
     for (long a = 0; a < r; a++) {
-        float *pa = p + a * n, m = -INFINITY;
+        float *pa = p + a * stride, m = -INFINITY;
+        const long na = n[a];
         long j = 0;
-        if (n >= LANES) { /* the largest score in LANES lanes (a serial max is a chain of dependent steps) */
+        if (na >= LANES) { /* the largest score in LANES lanes (a serial max is a chain of dependent steps) */
             vec big = load(pa);
-            for (j = LANES; j + LANES <= n; j += LANES) {
+            for (j = LANES; j + LANES <= na; j += LANES) {
                 const vec v = load(pa + j);
                 big = vselect(v > big, v, big);
             }
             for (int l = 0; l < LANES; l++) m = big[l] > m ? big[l] : m;
         }
-        for (; j < n; j++) m = pa[j] > m ? pa[j] : m;
+        for (; j < na; j++) m = pa[j] > m ? pa[j] : m;
         vec total = {0};
-        for (j = 0; j + LANES <= n; j += LANES) {
+        for (j = 0; j + LANES <= na; j += LANES) {
             vec e = vexp(load(pa + j) - m);
             memcpy(pa + j, &e, sizeof e);
             total += e;
         }
         float t = hsum_tree(total);
-        for (; j < n; j++) t += pa[j] = sexp(pa[j] - m);
+        for (; j < na; j++) t += pa[j] = sexp(pa[j] - m);
         sum[a] = t;
     }
     for (long a = 0; a < r; a += HEADS) {
         const long m = r - a < HEADS ? r - a : HEADS;
-        switch (m) { /* a constant count of heads keeps their sums in registers */
-        case 1: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 1, kind); break;
-        case 2: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 2, kind); break;
+        switch (m) { /* a constant count of rows keeps their sums in registers */
+        case 1: attend_values(p + a * stride, stride, n + a, v, hd, sum + a, out + a * hd, 1, kind); break;
+        case 2: attend_values(p + a * stride, stride, n + a, v, hd, sum + a, out + a * hd, 2, kind); break;
 #if HEADS > 2
-        case 3: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 3, kind); break;
-        case 4: attend_values(p + a * n, n, v, hd, sum + a, out + a * hd, 4, kind); break;
+        case 3: attend_values(p + a * stride, stride, n + a, v, hd, sum + a, out + a * hd, 3, kind); break;
+        case 4: attend_values(p + a * stride, stride, n + a, v, hd, sum + a, out + a * hd, 4, kind); break;
 #endif
         }
     }
 }
 
-static void attend(const float *q, long r, const void *k, const void *v, long n, long hd, float scale, float *p,
+static void attend(const float *q, long r, const long *n, const void *k, const void *v, long hd, float scale, float *p,
                    float *out, int kind) {
     if (kind == F16)
-        attend_kind(q, r, k, v, n, hd, scale, p, out, F16);
+        attend_kind(q, r, n, k, v, hd, scale, p, out, F16);
     else
-        attend_kind(q, r, k, v, n, hd, scale, p, out, F32);
+        attend_kind(q, r, n, k, v, hd, scale, p, out, F32);
 }
 
 /* SiLU(gate) * up over n floats */
@@ -517,25 +595,39 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
             store_kv(V + (g * capacity + past + s) * hd * kb, row + (H + Hkv + g) * hd, hd, kv);
         }
     }
-    /* row s of the query heads sharing KV head g attends to positions 0..past+s; work items (s, g) in any order */
-    const long items = S * Hkv;
+    /* row s of the query heads sharing KV head g attends to positions 0..past+s. A work item is KV head g at a run of
+       positions, whose rows share one pass over g's keys and values (a verify's positions read them once, not once
+       each), in any order; the runs as long as leaves two items a thread (one would leave 3 KV heads on 2 threads
+       at 2:1) */
+    const long want = (2 * threads + Hkv - 1) / Hkv, runs = want < S ? want : S;
+    const long run = (S + runs - 1) / runs, items = Hkv * ((S + run - 1) / run);
     const int parallel = threads > 1 && (past + S) * S * H * hd > 16384;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        float *p = malloc(sizeof(float) * n_rep * (past + S + 1));
-        if (!p) {
+        const long R = run * n_rep; /* an item's query rows, position-major */
+        float *p = malloc(sizeof(float) * (R * (past + S + 1) + (LANES + 2 * R) * hd));
+        long *n = malloc(sizeof(long) * R);
+        if (!p || !n) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (long it = 0; it < items; it++) {
-            if (!p) continue;
-            const long s = it / Hkv, g = it % Hkv;
-            attend(qkv + s * Q + g * n_rep * hd, n_rep, K + g * capacity * hd * kb, V + g * capacity * hd * kb,
-                   past + s + 1, hd, L->attn_scale, p, att + (s * H + g * n_rep) * hd, kv);
+            if (!p || !n) continue;
+            const long g = it % Hkv, s0 = it / Hkv * run, s1 = s0 + run < S ? s0 + run : S, r = (s1 - s0) * n_rep;
+            float *q = p + R * (past + S + 1) + LANES * hd, *o = q + R * hd; /* after the scores and kw */
+            for (long s = s0; s < s1; s++)
+                for (long a = 0; a < n_rep; a++) {
+                    const long i = (s - s0) * n_rep + a;
+                    memcpy(q + i * hd, qkv + s * Q + (g * n_rep + a) * hd, hd * sizeof(float));
+                    n[i] = past + s + 1;
+                }
+            attend(q, r, n, K + g * capacity * hd * kb, V + g * capacity * hd * kb, hd, L->attn_scale, p, o, kv);
+            for (long s = s0; s < s1; s++)
+                memcpy(att + (s * H + g * n_rep) * hd, o + (s - s0) * n_rep * hd, n_rep * hd * sizeof(float));
         }
-        free(p);
+        free(p), free(n);
     }
     if (failed) goto done;
     if (linear_of(att, L, 1, y, S, D, H * hd, threads)) goto done;
