@@ -1,11 +1,12 @@
 """What a verify of S positions costs in plain steps on the lean engine, the sizes interleaved.
 
-    python benchmarks/verify_steps.py --sizes 1,2,5,9 --rounds 200 [--target model.gguf]
+    python benchmarks/verify_steps.py --sizes 1,2,5,9 --rounds 200 [--target model.gguf] [--context 1500]
 
 A session's target state after a held-out prompt; each round feeds every size in turn (S - 1 drafts after the pending
 token, through `verify`, the call the loop makes) and then commits one token, so the context grows as a reply's
 does and a slow moment of a shared machine falls on every size alike. Prints each size's median milliseconds and
-its ratio to the first size's (1: a plain step). Default model; 2 threads.
+its ratio to the first size's (1: a plain step). --context N starts after N positions instead (the prompt, then
+any ids: a long chat's cost, where attention's share grows). Default model; 2 threads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--sizes", default="1,2,5,9")
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--context", type=int, default=0, help="positions before the first round (default: the prompt's)")
     args = ap.parse_args()
 
     from specchat import threads
@@ -40,7 +42,8 @@ def main() -> None:
     model = load_model(args.target, torch.device("cpu"), torch.float32, engine="lean")
     state = target_state(model.model)
     prompt = json.loads(PROMPTS.read_text().splitlines()[0])["prompt"]
-    state.start(model.chat_ids([{"role": "user", "content": prompt}]))
+    ids = model.chat_ids([{"role": "user", "content": prompt}])
+    state.start(ids + list(range(2000, 2000 + args.context - len(ids))))  # any ids: the cost does not depend on them
     sizes = [int(s) for s in args.sizes.split(",")]
     seconds: dict[int, list[float]] = {s: [] for s in sizes}
     drafts = list(range(1000, 1000 + max(sizes)))  # any ids: the cost does not depend on them
