@@ -395,6 +395,9 @@ static inline float sexp(float x) {
     return vexp(v)[0];
 }
 
+/* keys ahead that attention's passes prefetch: after a long context the keys and values come from memory, and the
+   hardware's prefetchers left those passes waiting on them */
+#define KV_AHEAD 16
 #define HEADS (LANES == 16 ? 4 : 2) /* query rows a pass over the values takes: 4 vectors of sums each, in registers */
 
 /* out[m, hd] = p[m, :n[m]] V / sum[m] for m <= HEADS query rows (p's rows `stride` apart, n nondecreasing) in one pass
@@ -409,6 +412,7 @@ static inline __attribute__((always_inline)) void attend_values(const float *p, 
         long j = 0;
         for (; j < n[0]; j++) { /* keys every row attends to */
             vec vj[4];
+            for (int c = 0; c < 4; c++) __builtin_prefetch((const char *)v + ((j + KV_AHEAD) * hd + d + c * LANES) * kv_bytes(kind), 0, 3);
             for (int c = 0; c < 4; c++) vj[c] = load_kv(v, j * hd + d + c * LANES, kind);
 #pragma GCC unroll 4
             for (long a = 0; a < m; a++)
@@ -475,6 +479,7 @@ static inline __attribute__((always_inline)) void scores(const float *q, long r,
         const long keys = stride - j0 < LANES ? stride - j0 : LANES;
         for (long t = 0; t < LANES; t++)
             for (long i = 0; i < hd; i += LANES) {
+                __builtin_prefetch((const char *)k + ((j0 + t + KV_AHEAD) * hd + i) * kv_bytes(kind), 0, 3);
                 const vec x = t < keys ? load_kv(k, (j0 + t) * hd + i, kind) : (vec){0};
                 memcpy(kw + t * hd + i, &x, sizeof x);
             }
