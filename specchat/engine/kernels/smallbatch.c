@@ -604,7 +604,7 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
        positions, whose rows share one pass over g's keys and values (a verify's positions read them once, not once
        each), in any order; the runs as long as leaves two items a thread (one would leave 3 KV heads on 2 threads
        at 2:1) */
-    const long want = (2 * threads + Hkv - 1) / Hkv, runs = want < S ? want : S;
+    const long want = threads > 1 ? (2 * threads + Hkv - 1) / Hkv : 1, runs = want < S ? want : S;
     const long run = (S + runs - 1) / runs, items = Hkv * ((S + run - 1) / run);
     const int parallel = threads > 1 && (past + S) * S * H * hd > 16384;
     int failed = 0;
