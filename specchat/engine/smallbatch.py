@@ -532,6 +532,7 @@ class LayerArgs:
                 (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv]),
                 (ctypes.c_long * n)(*[k.shape[2] for k, _ in kv]))
 
+
 def layers(Ls: list[LayerWeights], h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
            kv: list[tuple[torch.Tensor, torch.Tensor]], past: int, args: LayerArgs | None = None) -> None:
     """`layer` for each of Ls in turn, layer i's K/V in kv[i] = (keys, values): a forward in one call (a call from

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from support.models import tiny_llama
+from support.models import counting, tiny_llama
 from specchat.engine import smallbatch
 from specchat.engine.cache import KVCache, forward_logits, new_cache
 from specchat.engine.drafters import build_drafter
@@ -170,16 +170,7 @@ def test_one_forward_prefill():
     forward, and the first verify of K drafts feeds K positions only."""
     model = tiny("llama", tie=False)
     state = TargetState(model)
-    fed = []
-    run, forward_into = state.lean.run, state.lean.forward_into
-    state.lean.run = lambda hidden, layers, cache, past: fed.append(hidden.shape[1]) or run(hidden, layers, cache, past)
-
-    def counted(ids, *args):  # the whole forward in one C call, where it runs
-        logits = forward_into(ids, *args)
-        fed.extend([len(ids)] if logits is not None else [])
-        return logits
-
-    state.lean.forward_into = counted
+    fed = counting(state)
     prompt = [5, 6, 7, 8, 9]
     assert state.start(prompt) == 5 and fed == [5] and state.past == 5
     torch.testing.assert_close(state.verify([]), hf_logits(model, prompt, 1), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
-from support.models import tiny_llama, TINY_VOCAB
+from support.models import counting, tiny_llama, TINY_VOCAB
 from specchat.engine import smallbatch
 from specchat.engine.cache import CHUNK, KVCache
 from specchat.engine import target
@@ -43,20 +43,6 @@ def features_of(state: TargetState, ids: list[int]) -> torch.Tensor:
     """The last layer's output (before the final norm) of every position of ids, from one fresh prefill: [S, D]."""
     lean = state.lean
     return lean.run(lean.embed(ids), range(lean.n_layers), lean.new_cache(), 0)[0]
-
-
-def counting(state: TargetState) -> list[int]:
-    """Record how many positions each lean forward feeds (through `run`, or in one C call: forward_into)."""
-    fed, run, forward_into = [], state.lean.run, state.lean.forward_into
-    state.lean.run = lambda hidden, layers, cache, past: fed.append(hidden.shape[1]) or run(hidden, layers, cache, past)
-
-    def counted(ids, *args):
-        logits = forward_into(ids, *args)
-        fed.extend([len(ids)] if logits is not None else [])
-        return logits
-
-    state.lean.forward_into = counted
-    return fed
 
 
 def lengths(state: TargetState) -> set[int]:

@@ -131,3 +131,18 @@ def bigram_draft(target, scale: float = 0.5) -> TableLM:
     vocab = target.config.vocab_size
     table = torch.stack([forward_logits(target, new_cache(target), [t], keep=1)[-1] for t in range(vocab)])  # [V, V]
     return TableLM(table * scale, target.config)
+
+
+def counting(state) -> list[int]:
+    """Record how many positions each lean forward of a TargetState feeds (through `run`, or in one C call:
+    forward_into)."""
+    fed, run, forward_into = [], state.lean.run, state.lean.forward_into
+    state.lean.run = lambda hidden, layers, cache, past: fed.append(hidden.shape[1]) or run(hidden, layers, cache, past)
+
+    def counted(ids, *args):
+        logits = forward_into(ids, *args)
+        fed.extend([len(ids)] if logits is not None else [])
+        return logits
+
+    state.lean.forward_into = counted
+    return fed
