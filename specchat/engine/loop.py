@@ -80,6 +80,16 @@ def top_alternatives(probs: torch.Tensor) -> list[tuple[tuple[int, float], ...]]
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
+def warped_alternatives(p: torch.Tensor, tops: Tops, rows: int) -> list[tuple[tuple[int, float], ...]]:
+    """The first `rows` rows of p [>= rows, V]: their most likely (id, prob) pairs, from the top list of the logits p
+    was warped from. Temperature, top-k and top-p keep the logits' order, so p's most likely tokens are the logits'
+    (those it keeps: a token warping dropped has p = 0 and is left out)."""
+    ids = tops.ids[:rows]  # [rows, n]
+    values = p[:rows].gather(1, ids)  # [rows, n]
+    return [tuple((i, v) for i, v in zip(row_ids, row_values) if v > 0)
+            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+
+
 def unwarped_alternatives(logits: torch.Tensor, ids: list[int], tops: Tops | None = None) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     """[E, V] logits, E ids -> the model's own probability of each id and its most likely (id, prob) pairs, for the
     inspector: the softmax's normaliser and the top logits (`tops` of at least these rows) give them without writing
@@ -140,8 +150,10 @@ def generate(
         q = proposal.q if proposal.q is not None else one_hot(draft_ids, state.vocab_size)  # [K, V]
         if n_drafted:
             verdict = rule(draft_ids, q, p, generator, params.greedy)
-        else:  # a plain step under every rule: the token is drawn from p[0] (the same draw the rule would make)
-            verdict = Verdict(0, draw_next(0, q, p, generator, params.greedy), p.new_empty(0))
+        else:  # a plain step under every rule: the token is drawn from p[0] (the same draw the rule would make);
+            # greedy's p[0] is the one-hot at the top id it was made from (a pass over the row saved, ~2% of a round)
+            token = int(tops.ids[0, 0]) if params.greedy and tops is not None else draw_next(0, q, p, generator, params.greedy)
+            verdict = Verdict(0, token, p.new_empty(0))
         n = verdict.accepted
         if adaptive:
             adaptive.update(drafter.name, n_drafted, n)
@@ -178,7 +190,8 @@ def generate(
             expected_tokens=1.0 + float(torch.cumprod(verdict.accept_probs[:judged].float(), 0).sum()) if judged else 1.0,
         )
         raw = None if params == UNWARPED else (logits, tops)  # the inspector's model's own distribution
-        record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy)
+        record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy,
+                                      draft_list if proposal.q is None else None)
         record.wall_s = time.perf_counter() - t0
         chooser.observe(record)
         produced += len(new)
@@ -199,15 +212,22 @@ def _at(x: torch.Tensor, ids: list[int]) -> list[float]:
     return x[torch.arange(len(ids), device=x.device), torch.tensor(ids, device=x.device)].tolist()
 
 
-def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy) -> list[TokenEvent]:
-    """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus."""
+def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy, one_hot_q=None) -> list[TokenEvent]:
+    """Label the round's tokens: drafts 1..n accepted, then a replacement (resampled) or a bonus. `one_hot_q`: the
+    drafts, where q is one-hot at each (a deterministic drafter's)."""
     k = q.shape[0]
     p_x = _at(p, new)
     drafted = min(len(new), k)  # emitted positions that had a draft
     q_x = _at(q, new[:drafted])
-    # a greedy p is one-hot at the token itself: no top-k over the vocabulary needed (each costs ~0.1 ms)
-    top_p = [((tok, 1.0),) for tok in new] if greedy else top_alternatives(p[: len(new)])
-    top_q = top_alternatives(q[:drafted]) if drafted else []
+    # a one-hot row's alternatives are its one token: no top-n over the vocabulary (each ~0.05-0.1 ms, from caches
+    # the forward has just swept)
+    if greedy:
+        top_p = [((tok, 1.0),) for tok in new]
+    elif raw is not None:
+        top_p = warped_alternatives(p, raw[1], len(new))
+    else:
+        top_p = top_alternatives(p[: len(new)])
+    top_q = [((tok, 1.0),) for tok in one_hot_q[:drafted]] if one_hot_q is not None else top_alternatives(q[:drafted]) if drafted else []
     # raw: the model's own logits [>= E, V] and their Tops, or None when p is them unwarped
     raw_x, top_raw = (p_x, top_p) if raw is None else unwarped_alternatives(raw[0], new, raw[1])
     acc = accept_probs.tolist()

@@ -292,6 +292,22 @@ def test_sampled_events_report_the_warped_and_the_raw_probabilities():
     assert t.accept_prob == pytest.approx(float(warped[1])) and t.text == ""
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 0.9), SamplingParams(1.3, 3, 1.0), SamplingParams(0.5, 0, 0.2)])
+def test_top_lists_are_those_of_p_and_q_without_a_pass_over_them(params):
+    """top_p comes from the logits' top list and top_q from the drafts (q one-hot): each event's lists are what a
+    top-n over its rows of p and q gives, less the tokens of probability 0 (warping dropped them)."""
+    seen = []
+    recs, _ = rounds(Scripted(wrong_at=1), k=3, max_new=8, params=params,
+                     on_probs=lambda new, p, q: seen.append((p.clone(), q.clone())))
+    for rec, (p, q) in zip(recs, seen):
+        for i, t in enumerate(rec.tokens):
+            assert t.top_p == tuple((j, v) for j, v in top_alternatives(p[i : i + 1])[0] if v > 0)
+            assert t.top_q == (tuple((j, v) for j, v in top_alternatives(q[i : i + 1])[0] if v > 0) if i < len(q) else ())
+    assert any(t.top_q for r in recs for t in r.tokens)
+    if params.top_p < 0.5:  # the nucleus holds the counter's one likely token: the rest were dropped
+        assert all(len(t.top_p) == 1 for r in recs for t in r.tokens)
+
+
 def test_decode_names_each_token_and_one_hot_top_alternatives():
     controls = Controls(Scripted(), k=1, sampling=GREEDY)
     assert controls.mode == "scripted"
