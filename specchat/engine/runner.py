@@ -281,9 +281,10 @@ class Runner:
         """[1, 1, D] each: the tokens' embedding rows from the file's blocks, kept (up to EMBEDDED_FLOATS floats in
         all); the rows not kept yet dequantised in one call (each call of the gguf package costs ~0.1 ms)."""
         missing = [i for i in dict.fromkeys(ids) if i not in self._embedded]
+        if missing and (len(self._embedded) + len(missing)) * self.embed_w.shape[1] > EMBEDDED_FLOATS:
+            self._embedded.clear()
+            missing = list(dict.fromkeys(ids))
         if missing:
-            if (len(self._embedded) + len(missing)) * self.embed_w.shape[1] > EMBEDDED_FLOATS:
-                self._embedded.clear()
             rows = self.embed_w.rows(torch.tensor(missing))  # [M, D]
             self._embedded.update((i, rows[j : j + 1][None]) for j, i in enumerate(missing))  # [1, 1, D] each
         return [self._embedded[i] for i in ids]
