@@ -151,40 +151,61 @@ static inline __attribute__((always_inline)) void block_rows(const float *restri
     if (S > PASS) rows(x + PASS * D, w, scale, b, y + PASS * N, n0, n1, N, D, S - PASS, ROWS_FOR(S - PASS), kind);
 }
 
+/* Teams: every kernel runs on the threads of one parallel region, its loops shared by orphaned `omp for` (on one
+   thread where no region is open); an entry point called from Python opens the region. A forward is one region: a
+   region's start costs ~1.2 us where a barrier costs ~0.3, and a small model's step had ~150 of them. */
 #define CASE(S_)                                                                                   \
     case S_:                                                                                       \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")          \
+        _Pragma("omp for schedule(static)")                                                        \
         for (long n0 = 0; n0 < N; n0 += BLOCK)                                                     \
             block_rows(x, w, scale, b, y, n0, n0 + BLOCK < N ? n0 + BLOCK : N, N, D, S_, KIND);    \
-        return 0;
+        return;
 
 #define CASES                                                       \
     switch (S) {                                                    \
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) \
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16) \
-    }                                                               \
-    return -1;
+    }
+
+/* y [S, N] = x [S, D] @ w^T (+ b) for 1 <= S <= 16, on the calling team: w in float32, bfloat16, or int8 with a scale
+   per row (kind F32, BF16, INT8) */
+static void linear_team(const float *x, const void *w, int kind, const float *scale, const float *b, float *y, long S,
+                        long N, long D) {
+    if (kind == F32) {
+#define KIND F32
+        CASES
+#undef KIND
+    } else if (kind == BF16) {
+#define KIND BF16
+        CASES
+#undef KIND
+    } else {
+#define KIND INT8
+        CASES
+#undef KIND
+    }
+}
+
+static int linear_entry(const float *x, const void *w, int kind, const float *scale, const float *b, float *y, long S,
+                        long N, long D, int threads) {
+    if (S < 1 || S > 16) return -1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    linear_team(x, w, kind, scale, b, y, S, N, D);
+    return 0;
+}
 
 int smallbatch_linear(const float *x, const float *w, const float *b, float *y, long S, long N, long D, int threads) {
-    const float *scale = 0;
-#define KIND F32
-    CASES
-#undef KIND
+    return linear_entry(x, w, F32, 0, b, y, S, N, D, threads);
 }
 
 int smallbatch_linear_bf16(const float *x, const unsigned short *w, const float *b, float *y, long S, long N, long D,
                            int threads) {
-    const float *scale = 0;
-#define KIND BF16
-    CASES
-#undef KIND
+    return linear_entry(x, w, BF16, 0, b, y, S, N, D, threads);
 }
 
 int smallbatch_linear_int8(const float *x, const signed char *w, const float *scale, const float *b, float *y, long S,
                            long N, long D, int threads) {
-#define KIND INT8
-    CASES
-#undef KIND
+    return linear_entry(x, w, INT8, scale, b, y, S, N, D, threads);
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -218,32 +239,65 @@ struct layer {
     int part_type[4][3];
 };
 
-int gguf_parts_into(const float *x, int n, const unsigned char *const *w, const int *types, const long *rows, float *y,
-                    long ldy, long S, long D, int threads, int reference);
 #define GGUF_KIND 100 /* kind GGUF_KIND + ggml type: a GGUF file's blocks (gguf_linear, below) */
+struct rounded {
+    signed char *xq;
+    unsigned char *xu;
+    float *x_d, *x_sums, *x_dexp;
+    int *isums32, *isums16;
+};
 
-static int linear_of(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, int threads) {
-    if (L->part_rows[m][0] || L->kind[m] > GGUF_KIND) {
-        if (L->part_rows[m][0]) { /* each part into its columns of y */
-            int n = 0;
-            long at = 0;
-            for (; n < 3 && L->part_rows[m][n]; n++) at += L->part_rows[m][n];
-            if (at != N || gguf_parts_into(x, n, (const unsigned char *const *)L->part_w[m], L->part_type[m], L->part_rows[m],
-                                           y, N, S, D, threads, 0)) return -1;
-        } else {
-            const unsigned char *w = L->w[m];
-            const int type = L->kind[m] - GGUF_KIND;
-            if (gguf_parts_into(x, 1, &w, &type, &N, y, N, S, D, threads, 0)) return -1;
-        }
-        if (L->bias[m])
-            for (long s = 0; s < S; s++)
-                for (long n = 0; n < N; n++) y[s * N + n] += L->bias[m][n];
-        return 0;
+static int rounded_alloc(struct rounded *r, long S, long D);
+static void rounded_free(struct rounded *r);
+static int parts_read(int n, const int *types, const long *rows, long S, long D);
+static void round_x(const float *x, long S, long D, int reads, struct rounded *r);
+static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
+                       const float *bias, float *y, long ldy, long S, long D, int reference);
+
+/* matrix m of L as GGUF parts (a matrix of one type is one part): their count, else 0 (a float kind) */
+static int gguf_parts(const struct layer *L, int m, const unsigned char **w, int *types, long *rows, long N) {
+    if (L->part_rows[m][0]) {
+        int n = 0;
+        for (; n < 3 && L->part_rows[m][n]; n++)
+            w[n] = L->part_w[m][n], types[n] = L->part_type[m][n], rows[n] = L->part_rows[m][n];
+        return n;
     }
-    if (L->kind[m] == F32) return smallbatch_linear(x, (const float *)L->w[m], L->bias[m], y, S, N, D, threads);
-    if (L->kind[m] == BF16) return smallbatch_linear_bf16(x, (const unsigned short *)L->w[m], L->bias[m], y, S, N, D, threads);
-    if (L->kind[m] == INT8) return smallbatch_linear_int8(x, (const signed char *)L->w[m], L->scale[m], L->bias[m], y, S, N, D, threads);
-    return -1;
+    if (L->kind[m] <= GGUF_KIND) return 0;
+    w[0] = L->w[m], types[0] = L->kind[m] - GGUF_KIND, rows[0] = N;
+    return 1;
+}
+
+/* whether matrix m [N, D] of L is one the kernels take for S rows */
+static int matrix_ok(const struct layer *L, int m, long S, long N, long D) {
+    const unsigned char *w[3];
+    int types[3];
+    long rows[3];
+    const int n = gguf_parts(L, m, w, types, rows, N);
+    if (!n) return L->kind[m] == F32 || L->kind[m] == BF16 || L->kind[m] == INT8;
+    long at = 0;
+    for (int i = 0; i < n; i++) at += rows[i];
+    return at == N && parts_read(n, types, rows, S, D) != 0;
+}
+
+/* y [S, N] = x [S, D] @ (matrix m of L)^T (+ its bias) in two steps: linear_round (one thread, in the `single`
+   that wrote x: a GGUF matrix's x rounded into r), then linear_rows on the whole team */
+static void linear_round(const float *x, const struct layer *L, int m, long S, long N, long D, struct rounded *r) {
+    const unsigned char *w[3];
+    int types[3];
+    long rows[3];
+    const int n = gguf_parts(L, m, w, types, rows, N);
+    if (n) round_x(x, S, D, parts_read(n, types, rows, S, D), r);
+}
+
+static void linear_rows(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, const struct rounded *r) {
+    const unsigned char *w[3];
+    int types[3];
+    long rows[3];
+    const int n = gguf_parts(L, m, w, types, rows, N);
+    if (n)
+        parts_team(r, n, w, types, rows, L->bias[m], y, N, S, D, 0);
+    else
+        linear_team(x, L->w[m], L->kind[m], L->scale[m], L->bias[m], y, S, N, D);
 }
 
 /* the sum of a vector's lanes by halves, for attention's dot products over a head (4 vectors of 64 floats), where a
@@ -570,23 +624,81 @@ static void silu_mul(const float *gate, const float *up, float *y, long n) {
     for (; i < n; i++) y[i] = gate[i] / (1.0f + sexp(-gate[i])) * up[i];
 }
 
-/* h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values [Hkv, capacity, hd] with
-   capacity >= past + S, float32 or float16 (`kv`: F32 or F16; K and V rounded to it as they are written, and read
-   back from it, the position's own included). Returns 0, or -1 for a shape it does not take or memory it could not
-   get (the caller checks the shapes first: smallbatch.layer_weights). */
-int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, void *keys,
-                     void *values, long capacity, long past, int threads, int kv) {
+/* A call's memory, taken before its parallel region (nothing in a region may fail): the layers' activations and x
+   rounded for their GGUF matrices, sized for the largest layer; each thread's attention scratch is its own */
+struct work {
+    float *x, *qkv, *att, *gu, *act, *y; /* [S, D], [S, Q], [S, H hd], [S, 2 I], [S, I], [S, D] */
+    struct rounded r;
+    long R, keys; /* attention: an item's query rows at most, and keys a row attends to at most */
+    int threads;  /* asked for: what attention's runs are cut for (a smaller team only balances worse) */
+    int failed;   /* a thread got no attention scratch: the call returns -1 */
+};
+
+static void work_free(struct work *w) {
+    free(w->x), free(w->qkv), free(w->att), free(w->gu), free(w->act), free(w->y);
+    rounded_free(&w->r);
+}
+
+/* attention's work items: a KV head at a run of positions, whose rows share one pass over the head's keys and values
+   (a verify's positions read them once, not once each), in any order; the runs as long as leaves two items a
+   thread (one would leave 3 KV heads on 2 threads at 2:1) */
+static long attention_run(const struct layer *L, long S, int threads) {
+    const long want = threads > 1 ? (2 * threads + L->Hkv - 1) / L->Hkv : 1, runs = want < S ? want : S;
+    return (S + runs - 1) / runs;
+}
+
+/* n layers and the head (either may be absent) checked for S rows, and their memory taken; -1: a shape the kernels
+   do not take, or no memory */
+static int work_alloc(struct work *w, const struct layer *const *L, int n, const struct layer *head, long headN, long S,
+                      long past, int threads) {
+    memset(w, 0, sizeof *w);
+    w->threads = threads;
+    if (S < 1 || S > 16) return -1;
+    long D = head ? head->D : L[0]->D, Q = 0, A = 0, I = 0, X = D;
+    for (int i = 0; i < n; i++) {
+        const struct layer *l = L[i];
+        const long q = (l->H + 2 * l->Hkv) * l->hd;
+        if (l->D != D || l->hd > 512 || l->H % l->Hkv || !matrix_ok(l, 0, S, q, D) || !matrix_ok(l, 1, S, D, l->H * l->hd)
+            || !matrix_ok(l, 2, S, 2 * l->I, D) || !matrix_ok(l, 3, S, D, l->I)) return -1;
+        Q = q > Q ? q : Q, A = l->H * l->hd > A ? l->H * l->hd : A, I = l->I > I ? l->I : I;
+        const long R = attention_run(l, S, threads) * (l->H / l->Hkv);
+        w->R = R > w->R ? R : w->R;
+        X = A > X ? A : X, X = I > X ? I : X;
+    }
+    if (head && !matrix_ok(head, 0, S, headN, D)) return -1;
+    w->keys = past + S;
+    w->x = malloc(sizeof(float) * S * D), w->y = malloc(sizeof(float) * S * D);
+    w->qkv = malloc(sizeof(float) * S * (Q + 1)), w->att = malloc(sizeof(float) * S * (A + 1));
+    w->gu = malloc(sizeof(float) * S * (2 * I + 1)), w->act = malloc(sizeof(float) * S * (I + 1));
+    if (rounded_alloc(&w->r, S, X)) w->r = (struct rounded){0}; /* (freed) */
+    if (!w->r.xq || !w->x || !w->y || !w->qkv || !w->att || !w->gu || !w->act) {
+        work_free(w);
+        return -1;
+    }
+    return 0;
+}
+
+/* One layer on the calling team: h [S, D] in place; cos, sin_signed [S, hd] for positions past..; keys, values
+   [Hkv, capacity, hd], float32 or float16 (`kv`: F32 or F16; K and V rounded to it as they are written, and read
+   back from it, the position's own included). p, n: this thread's attention scratch (null: it has none). */
+static void layer_team(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, void *keys,
+                       void *values, long capacity, long past, int kv, struct work *w, float *p, long *n,
+                       const float *pending) {
     const long D = L->D, H = L->H, Hkv = L->Hkv, hd = L->hd, I = L->I, n_rep = H / Hkv, Q = (H + 2 * Hkv) * hd;
-    if (S < 1 || S > 16 || hd > 512 || H % Hkv || past + S > capacity || (kv != F32 && kv != F16)) return -1;
     char *K = keys, *V = values; /* rows of hd * kv_bytes(kv) bytes */
     const long kb = kv_bytes(kv);
-    float *x = malloc(sizeof(float) * S * D), *qkv = malloc(sizeof(float) * S * Q), *att = malloc(sizeof(float) * S * H * hd);
-    float *gu = malloc(sizeof(float) * S * 2 * I), *act = malloc(sizeof(float) * S * I), *y = malloc(sizeof(float) * S * D);
-    int status = -1;
-    if (!x || !qkv || !att || !gu || !act || !y) goto done;
+    float *x = w->x, *qkv = w->qkv, *att = w->att, *gu = w->gu, *act = w->act, *y = w->y;
 
-    for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln1, L->eps, x + s * D, D);
-    if (linear_of(x, L, 0, qkv, S, Q, D, threads)) goto done;
+    /* a region's threads meet at the end of each `single` and each loop: 10 times a layer */
+#pragma omp single
+    {
+        if (pending)
+            for (long i = 0; i < S * D; i++) h[i] += pending[i];
+        for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln1, L->eps, x + s * D, D);
+        linear_round(x, L, 0, S, Q, D, &w->r);
+    }
+    linear_rows(x, L, 0, qkv, S, Q, D, &w->r);
+#pragma omp single
     for (long s = 0; s < S; s++) {
         float *row = qkv + s * Q; /* q heads, k heads, v heads */
         for (long j = 0; j < H + Hkv; j++) {
@@ -600,75 +712,104 @@ int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, 
             store_kv(V + (g * capacity + past + s) * hd * kb, row + (H + Hkv + g) * hd, hd, kv);
         }
     }
-    /* row s of the query heads sharing KV head g attends to positions 0..past+s. A work item is KV head g at a run of
-       positions, whose rows share one pass over g's keys and values (a verify's positions read them once, not once
-       each), in any order; the runs as long as leaves two items a thread (one would leave 3 KV heads on 2 threads
-       at 2:1) */
-    const long want = threads > 1 ? (2 * threads + Hkv - 1) / Hkv : 1, runs = want < S ? want : S;
-    const long run = (S + runs - 1) / runs, items = Hkv * ((S + run - 1) / run);
-    const int parallel = threads > 1 && (past + S) * S * H * hd > 16384;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
-        const long R = run * n_rep; /* an item's query rows, position-major */
-        float *p = malloc(sizeof(float) * (R * (past + S + 1) + (LANES + 2 * R) * hd));
-        long *n = malloc(sizeof(long) * R);
-        if (!p || !n) {
-#pragma omp atomic write
-            failed = 1;
-        }
+    /* row s of the query heads sharing KV head g attends to positions 0..past+s */
+    const long run = attention_run(L, S, w->threads), items = Hkv * ((S + run - 1) / run);
 #pragma omp for schedule(static)
-        for (long it = 0; it < items; it++) {
-            if (!p || !n) continue;
-            const long g = it % Hkv, s0 = it / Hkv * run, s1 = s0 + run < S ? s0 + run : S, r = (s1 - s0) * n_rep;
-            float *q = p + R * (past + S + 1) + LANES * hd, *o = q + R * hd; /* after the scores and kw */
-            for (long s = s0; s < s1; s++)
-                for (long a = 0; a < n_rep; a++) {
-                    const long i = (s - s0) * n_rep + a;
-                    memcpy(q + i * hd, qkv + s * Q + (g * n_rep + a) * hd, hd * sizeof(float));
-                    n[i] = past + s + 1;
-                }
-            attend(q, r, n, K + g * capacity * hd * kb, V + g * capacity * hd * kb, hd, L->attn_scale, p, o, kv);
-            for (long s = s0; s < s1; s++)
-                memcpy(att + (s * H + g * n_rep) * hd, o + (s - s0) * n_rep * hd, n_rep * hd * sizeof(float));
-        }
-        free(p), free(n);
+    for (long it = 0; it < items; it++) {
+        if (!p || !n) continue;
+        const long g = it % Hkv, s0 = it / Hkv * run, s1 = s0 + run < S ? s0 + run : S, r = (s1 - s0) * n_rep;
+        float *q = p + w->R * (w->keys + 1) + LANES * hd, *o = q + w->R * hd; /* after the scores and kw */
+        for (long s = s0; s < s1; s++)
+            for (long a = 0; a < n_rep; a++) {
+                const long i = (s - s0) * n_rep + a;
+                memcpy(q + i * hd, qkv + s * Q + (g * n_rep + a) * hd, hd * sizeof(float));
+                n[i] = past + s + 1;
+            }
+        attend(q, r, n, K + g * capacity * hd * kb, V + g * capacity * hd * kb, hd, L->attn_scale, p, o, kv);
+        for (long s = s0; s < s1; s++)
+            memcpy(att + (s * H + g * n_rep) * hd, o + (s - s0) * n_rep * hd, n_rep * hd * sizeof(float));
     }
-    if (failed) goto done;
-    if (linear_of(att, L, 1, y, S, D, H * hd, threads)) goto done;
-    for (long i = 0; i < S * D; i++) h[i] += y[i];
+#pragma omp single
+    linear_round(att, L, 1, S, D, H * hd, &w->r);
+    linear_rows(att, L, 1, y, S, D, H * hd, &w->r);
+#pragma omp single
+    {
+        for (long i = 0; i < S * D; i++) h[i] += y[i];
+        for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln2, L->eps, x + s * D, D);
+        linear_round(x, L, 2, S, 2 * I, D, &w->r);
+    }
+    linear_rows(x, L, 2, gu, S, 2 * I, D, &w->r);
+#pragma omp single
+    {
+        for (long s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
+        linear_round(act, L, 3, S, D, I, &w->r);
+    }
+    linear_rows(act, L, 3, y, S, D, I, &w->r); /* y: the residual the next `single` adds to h (pending) */
+}
 
-    for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln2, L->eps, x + s * D, D);
-    if (linear_of(x, L, 2, gu, S, 2 * I, D, threads)) goto done;
-    for (long s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
-    if (linear_of(act, L, 3, y, S, D, I, threads)) goto done;
-    for (long i = 0; i < S * D; i++) h[i] += y[i];
-    status = 0;
-done:
-    free(x), free(qkv), free(att), free(gu), free(act), free(y);
-    return status;
+/* The forward's one region: the S rows `rows` copied into h [S, D] (rows: null, h as it is), layers L[0..n-1] on it
+   (cos, sin_signed from position past), then the final norm and head (null: none) of its last `keep` rows into
+   logits [keep, N]. Every entry point below is this with parts left out. */
+static int forward(const struct layer *const *L, int n, const float *const *rows, float *h, long S, const float *cos,
+                   const float *sin_signed, void *const *keys, void *const *values, const long *capacity, long past,
+                   const struct layer *head, long N, long keep, float *logits, int threads, int kv) {
+    struct work w;
+    if ((kv != F32 && kv != F16) || (!n && !head) || (head && (keep < 1 || keep > S))) return -1;
+    for (int i = 0; i < n; i++)
+        if (past + S > capacity[i]) return -1;
+    if (work_alloc(&w, L, n, head, N, S, past, threads)) return -1;
+    const long D = head ? head->D : L[0]->D;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *p = n ? malloc(sizeof(float) * (w.R * (w.keys + 1) + (LANES + 2 * w.R) * 512)) : NULL;
+        long *m = n ? malloc(sizeof(long) * w.R) : NULL;
+        if (n && (!p || !m)) {
+#pragma omp atomic write
+            w.failed = 1;
+        }
+        if (rows) {
+#pragma omp single
+            for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
+        }
+        for (int i = 0; i < n; i++)
+            layer_team(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, kv, &w, p, m, i ? w.y : NULL);
+#pragma omp single
+        {
+            if (n)
+                for (long i = 0; i < S * D; i++) h[i] += w.y[i]; /* the last layer's residual */
+            if (head) {
+                for (long s = 0; s < keep; s++) rms_norm(h + (S - keep + s) * D, head->ln1, head->eps, w.x + s * D, D);
+                linear_round(w.x, head, 0, keep, N, D, &w.r);
+            }
+        }
+        if (head) linear_rows(w.x, head, 0, logits, keep, N, D, &w.r);
+        free(p), free(m);
+    }
+    const int failed = w.failed;
+    work_free(&w);
+    return failed ? -1 : 0;
+}
+
+/* one layer: h [S, D] in place, cos and sin_signed [S, hd] for positions past.., keys and values [Hkv, capacity, hd].
+   0, or -1 for a shape it does not take or memory it could not get (the caller checks the shapes first:
+   smallbatch.layer_weights) */
+int smallbatch_layer(const struct layer *L, float *h, long S, const float *cos, const float *sin_signed, void *keys,
+                     void *values, long capacity, long past, int threads, int kv) {
+    return forward(&L, 1, NULL, h, S, cos, sin_signed, &keys, &values, &capacity, past, NULL, 0, 0, NULL, threads, kv);
 }
 
 /* layers L[0..n-1] in turn on h, layer i's K/V in keys[i], values[i] (capacity[i] positions): a forward is one call
    (from Python, a call a layer costs ~10 us of a small model's ~70 us layer) */
 int smallbatch_layers(const struct layer *const *L, int n, float *h, long S, const float *cos, const float *sin_signed,
                       void *const *keys, void *const *values, const long *capacity, long past, int threads, int kv) {
-    for (int i = 0; i < n; i++)
-        if (smallbatch_layer(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, threads, kv)) return -1;
-    return 0;
+    if (n < 1) return -1;
+    return forward(L, n, NULL, h, S, cos, sin_signed, keys, values, capacity, past, NULL, 0, 0, NULL, threads, kv);
 }
 
 /* logits y [S, N] of h [S, D], 1 <= S <= 16: the final RMSNorm and the LM head, described as a struct layer whose ln1
-   and eps are the norm's and whose matrix 0 is the head (any kind linear_of takes). Each row on its own, as above. */
+   and eps are the norm's and whose matrix 0 is the head (any kind linear_rows takes). Each row on its own, as above. */
 int smallbatch_logits(const struct layer *head, const float *h, long S, long N, float *y, int threads) {
-    const long D = head->D;
-    if (S < 1 || S > 16) return -1;
-    float *x = malloc(sizeof(float) * S * D);
-    if (!x) return -1;
-    for (long s = 0; s < S; s++) rms_norm(h + s * D, head->ln1, head->eps, x + s * D, D);
-    const int status = linear_of(x, head, 0, y, S, N, D, threads);
-    free(x);
-    return status;
+    return forward(NULL, 0, NULL, (float *)h, S, NULL, NULL, NULL, NULL, NULL, 0, head, N, S, y, threads, F32);
 }
 
 /* A whole forward in one call: the S embedding rows rows[s] [D] copied into h [S, D], layers L[0..n-1] on it (cos,
@@ -679,12 +820,10 @@ int smallbatch_forward(const struct layer *const *L, int n, const float *const *
                        const float *cos, const float *sin_signed, void *const *keys, void *const *values,
                        const long *capacity, long past, const struct layer *head, long N, long keep, float *logits,
                        int threads, int kv) {
-    if (n < 1 || keep < 1 || keep > S) return -1;
-    const long D = head->D, hd = L[0]->hd;
-    for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
-    if (smallbatch_layers(L, n, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, threads, kv))
-        return -1;
-    return smallbatch_logits(head, h + (S - keep) * D, keep, N, logits, threads);
+    if (n < 1) return -1;
+    const long hd = L[0]->hd;
+    return forward(L, n, rows, h, S, cos + past * hd, sin_signed + past * hd, keys, values, capacity, past, head, N, keep,
+                   logits, threads, kv);
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -1587,6 +1726,77 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
     packed_rows_plain(x_d, x_sums, x_isums, xq, p, type, y, ldy, S, D, N, g0, g1);
 }
 
+/* x [S, D] rounded to int8 blocks of 32 (quantize_rows) and what the kernels read of it: each block's scale and
+   scale * sum(q), the integer sums per unit of 32 (16) for the interleaved rows, x + 128 and the scales 8 times
+   for the file's layout on the 512-bit path. Sized for S <= 16 rows of up to D floats (rounded_alloc). */
+static void rounded_free(struct rounded *r) {
+    free(r->xq), free(r->xu), free(r->x_d), free(r->x_sums), free(r->x_dexp), free(r->isums32), free(r->isums16);
+}
+
+static int rounded_alloc(struct rounded *r, long S, long D) {
+    const long nbp = (D / QK + 7) / 8 * 8;
+    r->xq = malloc(S * D), r->xu = malloc(S * D);
+    r->x_d = malloc(sizeof(float) * S * nbp), r->x_sums = malloc(sizeof(float) * S * nbp);
+    r->x_dexp = malloc(sizeof(float) * S * nbp * 8);
+    r->isums32 = malloc(sizeof(int) * S * (D / 32 + 1)), r->isums16 = malloc(sizeof(int) * S * (D / 16 + 1));
+    if (r->xq && r->xu && r->x_d && r->x_sums && r->x_dexp && r->isums32 && r->isums16) return 0;
+    rounded_free(r);
+    return -1;
+}
+
+/* what of x the parts' types read (bits: 1 interleaved rows of 32-deep units, 2 of 16, 4 the file's layout); 0 for a
+   type or shape gguf_parts_into does not take */
+static int parts_read(int n, const int *types, const long *rows, long S, long D) {
+    if (S < 1 || S > 16 || n < 1 || n > 3) return 0;
+    int reads = 0;
+    for (int i = 0; i < n; i++) {
+        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
+        if (D % (k_quant(base) ? 256 : QK) || !block_bytes(base) || rows[i] < 1) return 0;
+        reads |= !packed ? 4 : pack_unit(base) == 16 ? 2 : 1;
+    }
+    return reads;
+}
+
+/* x rounded once for every part that reads it (one thread: the others wait at the next loop) */
+static void round_x(const float *x, long S, long D, int reads, struct rounded *r) {
+    const long nb = D / QK, nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
+    memset(r->x_sums, 0, sizeof(float) * S * nbp);
+    quantize_rows(x, S, D, r->xq, r->x_d, r->x_sums, nbp);
+    if (reads & 1) unit_sums(r->xq, S, D, 32, r->isums32);
+    if (reads & 2) unit_sums(r->xq, S, D, 16, r->isums16);
+    if (reads & 4) {
+        for (long i = 0; i < S * D; i++) r->xu[i] = (unsigned char)(r->xq[i] + 128);
+        for (long i = 0; i < S * nb * 8; i++) r->x_dexp[i] = r->x_d[i / 8];
+    }
+}
+
+/* y[S, N] (+ bias[N]) = x @ w^T on the calling team, x rounded in r (round_x): part p's rows[p] rows of blocks of
+   types[p] into the next rows[p] columns of y (rows ldy floats apart); one loop takes 16 rows at a time from any part */
+static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
+                       const float *bias, float *y, long ldy, long S, long D, int reference) {
+    long first_task[4] = {0}, column[4] = {0};
+    for (int i = 0; i < n; i++) {
+        first_task[i + 1] = first_task[i] + (rows[i] + PACK_ROWS - 1) / PACK_ROWS; /* tasks of 16 rows */
+        column[i + 1] = column[i] + rows[i];
+    }
+#pragma omp for schedule(static)
+    for (long t = 0; t < first_task[n]; t++) {
+        int i = 0;
+        while (t >= first_task[i + 1]) i++;
+        const long g = t - first_task[i], n1 = (g + 1) * PACK_ROWS < rows[i] ? (g + 1) * PACK_ROWS : rows[i];
+        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
+        if (packed)
+            packed_rows(r->x_d, r->x_sums, pack_unit(base) == 16 ? r->isums16 : r->isums32, r->xq, w[i], base,
+                        y + column[i], ldy, S, D, rows[i], g, g + 1, reference);
+        else
+            gguf_rows(r->x_d, r->x_dexp, r->x_sums, r->xq, r->xu, w[i], base, y + column[i], ldy, S, D, g * PACK_ROWS, n1,
+                      reference);
+        if (bias)
+            for (long s = 0; s < S; s++)
+                for (long c = column[i] + g * PACK_ROWS; c < column[i] + n1; c++) y[s * ldy + c] += bias[c];
+    }
+}
+
 /* y[S, N] = x[S, D] @ w^T for w stacked from n parts (1-3), part p rows[p] rows of GGUF blocks of types[p] (PACKED +
    type: gguf_pack's interleaved rows), its outputs in the next rows[p] columns of y; y's rows ldy floats apart (N for
    a matrix of its own); 1 <= S <= 16, D a multiple of 32 (of 256 for the K-quants). x is rounded to int8 once for all
@@ -1594,49 +1804,14 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
    costs microseconds a small model's step pays ~200 times). 0, or -1 for a type or shape it does not take. */
 int gguf_parts_into(const float *x, int n, const unsigned char *const *w, const int *types, const long *rows, float *y,
                     long ldy, long S, long D, int threads, int reference) {
-    if (S < 1 || S > 16 || n < 1 || n > 3) return -1;
-    int any_packed = 0, any_plain = 0, unit16 = 0;
-    long first_task[4] = {0};
-    for (int i = 0; i < n; i++) {
-        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
-        if (D % (k_quant(base) ? 256 : QK) || !block_bytes(base) || rows[i] < 1) return -1;
-        any_packed |= packed, any_plain |= !packed, unit16 |= packed && pack_unit(base) == 16;
-        first_task[i + 1] = first_task[i] + (rows[i] + PACK_ROWS - 1) / PACK_ROWS; /* tasks of 16 rows */
-    }
-    const long nb = D / QK, nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
-    signed char *xq = malloc(S * D);
-    float *x_d = malloc(sizeof(float) * S * nb), *x_sums = calloc(S * nbp, sizeof(float));
-    int *isums32 = any_packed ? malloc(sizeof(int) * S * (D / 32)) : NULL, *isums16 = unit16 ? malloc(sizeof(int) * S * (D / 16)) : NULL;
-    unsigned char *xu = any_plain ? malloc(S * D) : NULL; /* x + 128: the 512-bit path's unsigned operand against signed weights */
-    float *x_dexp = any_plain ? malloc(sizeof(float) * S * nb * 8) : NULL; /* each block's scale 8 times: a pair's lane scales */
-    int status = -1;
-    if (!xq || !x_d || !x_sums || (any_packed && !isums32) || (unit16 && !isums16) || (any_plain && (!xu || !x_dexp))) goto done;
-    quantize_rows(x, S, D, xq, x_d, x_sums, nbp);
-    if (any_packed) unit_sums(xq, S, D, 32, isums32);
-    if (unit16) unit_sums(xq, S, D, 16, isums16);
-    if (any_plain) {
-        for (long i = 0; i < S * D; i++) xu[i] = (unsigned char)(xq[i] + 128);
-        for (long i = 0; i < S * nb * 8; i++) x_dexp[i] = x_d[i / 8];
-    }
-    long column[4] = {0};
-    for (int i = 0; i < n; i++) column[i + 1] = column[i] + rows[i];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < first_task[n]; t++) {
-        int i = 0;
-        while (t >= first_task[i + 1]) i++;
-        const long g = t - first_task[i];
-        const int packed = types[i] >= PACKED, base = packed ? types[i] - PACKED : types[i];
-        if (packed)
-            packed_rows(x_d, x_sums, pack_unit(base) == 16 ? isums16 : isums32, xq, w[i], base, y + column[i], ldy, S, D,
-                        rows[i], g, g + 1, reference);
-        else
-            gguf_rows(x_d, x_dexp, x_sums, xq, xu, w[i], base, y + column[i], ldy, S, D, g * PACK_ROWS,
-                      (g + 1) * PACK_ROWS < rows[i] ? (g + 1) * PACK_ROWS : rows[i], reference);
-    }
-    status = 0;
-done:
-    free(xq), free(x_d), free(x_sums), free(isums32), free(isums16), free(xu), free(x_dexp);
-    return status;
+    const int reads = parts_read(n, types, rows, S, D);
+    struct rounded r;
+    if (!reads || rounded_alloc(&r, S, D)) return -1;
+    round_x(x, S, D, reads, &r);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    parts_team(&r, n, w, types, rows, NULL, y, ldy, S, D, reference);
+    rounded_free(&r);
+    return 0;
 }
 
 int gguf_linear(const float *x, const unsigned char *w, int type, float *y, long S, long N, long D, int threads,
