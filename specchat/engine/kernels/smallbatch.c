@@ -11,7 +11,8 @@
    not depend on how many positions are fed with it.
    Portable C with GCC/Clang vector extensions (compiled with -O3 -march=native: AVX-512, AVX2, NEON...): the
    S accumulators stay in registers; the products are element-wise, so no reassociation (no -ffast-math).
-   Threads: OpenMP over blocks of output rows; the process's OpenMP runtime is torch's own (same soname). */
+   Threads: OpenMP over blocks of output rows, a call one parallel region (Teams, below); the process's OpenMP
+   runtime is torch's own (same soname). */
 
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
