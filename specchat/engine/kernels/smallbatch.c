@@ -241,6 +241,9 @@ struct layer {
 };
 
 #define GGUF_KIND 100 /* kind GGUF_KIND + ggml type: a GGUF file's blocks (gguf_linear, below) */
+/* x [S, D] rounded to int8 blocks of 32 (quantize_rows) and what the kernels read of it: each block's scale and
+   scale * sum(q), the integer sums per unit of 32 (16) for the interleaved rows, x + 128 and the scales 8 times
+   for the file's layout on the 512-bit path. Sized for S <= 16 rows of up to D floats (rounded_alloc). */
 struct rounded {
     signed char *xq;
     unsigned char *xu;
@@ -1727,9 +1730,6 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
     packed_rows_plain(x_d, x_sums, x_isums, xq, p, type, y, ldy, S, D, N, g0, g1);
 }
 
-/* x [S, D] rounded to int8 blocks of 32 (quantize_rows) and what the kernels read of it: each block's scale and
-   scale * sum(q), the integer sums per unit of 32 (16) for the interleaved rows, x + 128 and the scales 8 times
-   for the file's layout on the 512-bit path. Sized for S <= 16 rows of up to D floats (rounded_alloc). */
 static void rounded_free(struct rounded *r) {
     free(r->xq), free(r->xu), free(r->x_d), free(r->x_sums), free(r->x_dexp), free(r->isums32), free(r->isums16);
 }
