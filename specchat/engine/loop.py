@@ -151,7 +151,7 @@ def generate(
         if n_drafted:
             verdict = rule(draft_ids, q, p, generator, params.greedy)
         else:  # a plain step under every rule: the token is drawn from p[0] (the same draw the rule would make);
-            # greedy's p[0] is the one-hot at the top id it was made from (a pass over the row saved, ~2% of a round)
+            # greedy's p[0] is the one-hot at the top id it was made from (no pass over the row)
             token = int(tops.ids[0, 0]) if params.greedy and tops is not None else draw_next(0, q, p, generator, params.greedy)
             verdict = Verdict(0, token, p.new_empty(0))
         n = verdict.accepted
@@ -219,15 +219,18 @@ def _token_events(new, n, p, q, raw, accept_probs, round_index, decode, greedy, 
     p_x = _at(p, new)
     drafted = min(len(new), k)  # emitted positions that had a draft
     q_x = _at(q, new[:drafted])
-    # a one-hot row's alternatives are its one token: no top-n over the vocabulary (each ~0.05-0.1 ms, from caches
-    # the forward has just swept)
+    # a one-hot row's alternatives are its one token: no top-n over the vocabulary (each a pass over caches the
+    # forward has just swept)
     if greedy:
         top_p = [((tok, 1.0),) for tok in new]
     elif raw is not None:
         top_p = warped_alternatives(p, raw[1], len(new))
     else:
         top_p = top_alternatives(p[: len(new)])
-    top_q = [((tok, 1.0),) for tok in one_hot_q[:drafted]] if one_hot_q is not None else top_alternatives(q[:drafted]) if drafted else []
+    if one_hot_q is not None:
+        top_q = [((tok, 1.0),) for tok in one_hot_q[:drafted]]
+    else:
+        top_q = top_alternatives(q[:drafted]) if drafted else []
     # raw: the model's own logits [>= E, V] and their Tops, or None when p is them unwarped
     raw_x, top_raw = (p_x, top_p) if raw is None else unwarped_alternatives(raw[0], new, raw[1])
     acc = accept_probs.tolist()

@@ -279,7 +279,7 @@ class Runner:
 
     def _embedded_rows(self, ids: list[int]) -> list[torch.Tensor]:
         """[1, 1, D] each: the tokens' embedding rows from the file's blocks, kept (up to EMBEDDED_FLOATS floats in
-        all); the rows not kept yet dequantised in one call (each call of the gguf package costs ~0.1 ms)."""
+        all); the rows not kept yet dequantised in one call (the gguf package's call costs more than its rows)."""
         missing = [i for i in dict.fromkeys(ids) if i not in self._embedded]
         if missing and (len(self._embedded) + len(missing)) * self.embed_w.shape[1] > EMBEDDED_FLOATS:
             self._embedded.clear()
