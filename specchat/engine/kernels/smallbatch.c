@@ -254,7 +254,7 @@ struct rounded {
 static int rounded_alloc(struct rounded *r, long S, long D);
 static void rounded_free(struct rounded *r);
 static int parts_read(int n, const int *types, const long *rows, long S, long D);
-static void round_x(const float *x, long S, long D, int reads, struct rounded *r);
+static void round_row(const float *x, long s, long D, int reads, struct rounded *r);
 static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
                        const float *bias, float *y, long ldy, long S, long D, int reference);
 
@@ -283,14 +283,14 @@ static int matrix_ok(const struct layer *L, int m, long S, long N, long D) {
     return at == N && parts_read(n, types, rows, S, D) != 0;
 }
 
-/* y [S, N] = x [S, D] @ (matrix m of L)^T (+ its bias) in two steps: linear_round (one thread, in the `single`
-   that wrote x: a GGUF matrix's x rounded into r), then linear_rows on the whole team */
-static void linear_round(const float *x, const struct layer *L, int m, long S, long N, long D, struct rounded *r) {
+/* y [S, N] = x [S, D] @ (matrix m of L)^T (+ its bias) in two steps: linear_round for each row (by the thread that
+   wrote the row: a GGUF matrix's x rounded into r), then linear_rows on the whole team */
+static void linear_round(const float *x, const struct layer *L, int m, long s, long N, long D, struct rounded *r) {
     const unsigned char *w[3];
     int types[3];
     long rows[3];
     const int n = gguf_parts(L, m, w, types, rows, N);
-    if (n) round_x(x, S, D, parts_read(n, types, rows, S, D), r);
+    if (n) round_row(x, s, D, parts_read(n, types, rows, 1, D), r);
 }
 
 static void linear_rows(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, const struct rounded *r) {
@@ -693,16 +693,17 @@ static void layer_team(const struct layer *L, float *h, long S, const float *cos
     const long kb = kv_bytes(kv);
     float *x = w->x, *qkv = w->qkv, *att = w->att, *gu = w->gu, *act = w->act, *y = w->y;
 
-    /* a region's threads meet at the end of each `single` and each loop: 10 times a layer */
-#pragma omp single
-    {
+    /* a region's threads meet at the end of each loop: 10 times a layer; the rows' own steps (norms, RoPE, rounding)
+       shared by rows, which a verify has several of */
+#pragma omp for schedule(static)
+    for (long s = 0; s < S; s++) {
         if (pending)
-            for (long i = 0; i < S * D; i++) h[i] += pending[i];
-        for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln1, L->eps, x + s * D, D);
-        linear_round(x, L, 0, S, Q, D, &w->r);
+            for (long i = s * D; i < (s + 1) * D; i++) h[i] += pending[i];
+        rms_norm(h + s * D, L->ln1, L->eps, x + s * D, D);
+        linear_round(x, L, 0, s, Q, D, &w->r);
     }
     linear_rows(x, L, 0, qkv, S, Q, D, &w->r);
-#pragma omp single
+#pragma omp for schedule(static)
     for (long s = 0; s < S; s++) {
         float *row = qkv + s * Q; /* q heads, k heads, v heads */
         for (long j = 0; j < H + Hkv; j++) {
@@ -733,22 +734,22 @@ static void layer_team(const struct layer *L, float *h, long S, const float *cos
         for (long s = s0; s < s1; s++)
             memcpy(att + (s * H + g * n_rep) * hd, o + (s - s0) * n_rep * hd, n_rep * hd * sizeof(float));
     }
-#pragma omp single
-    linear_round(att, L, 1, S, D, H * hd, &w->r);
+#pragma omp for schedule(static)
+    for (long s = 0; s < S; s++) linear_round(att, L, 1, s, D, H * hd, &w->r);
     linear_rows(att, L, 1, y, S, D, H * hd, &w->r);
-#pragma omp single
-    {
-        for (long i = 0; i < S * D; i++) h[i] += y[i];
-        for (long s = 0; s < S; s++) rms_norm(h + s * D, L->ln2, L->eps, x + s * D, D);
-        linear_round(x, L, 2, S, 2 * I, D, &w->r);
+#pragma omp for schedule(static)
+    for (long s = 0; s < S; s++) {
+        for (long i = s * D; i < (s + 1) * D; i++) h[i] += y[i];
+        rms_norm(h + s * D, L->ln2, L->eps, x + s * D, D);
+        linear_round(x, L, 2, s, 2 * I, D, &w->r);
     }
     linear_rows(x, L, 2, gu, S, 2 * I, D, &w->r);
-#pragma omp single
-    {
-        for (long s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
-        linear_round(act, L, 3, S, D, I, &w->r);
+#pragma omp for schedule(static)
+    for (long s = 0; s < S; s++) {
+        silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
+        linear_round(act, L, 3, s, D, I, &w->r);
     }
-    linear_rows(act, L, 3, y, S, D, I, &w->r); /* y: the residual the next `single` adds to h (pending) */
+    linear_rows(act, L, 3, y, S, D, I, &w->r); /* y: the residual the next layer adds to h first (pending) */
 }
 
 /* The forward's one region: the S rows `rows` copied into h [S, D] (rows: null, h as it is), layers L[0..n-1] on it
@@ -772,18 +773,19 @@ static int forward(const struct layer *const *L, int n, const float *const *rows
             w.failed = 1;
         }
         if (rows) {
-#pragma omp single
+#pragma omp for schedule(static)
             for (long s = 0; s < S; s++) memcpy(h + s * D, rows[s], D * sizeof(float));
         }
         for (int i = 0; i < n; i++)
             layer_team(L[i], h, S, cos, sin_signed, keys[i], values[i], capacity[i], past, kv, &w, p, m, i ? w.y : NULL);
-#pragma omp single
-        {
+#pragma omp for schedule(static)
+        for (long s = 0; s < S; s++) {
             if (n)
-                for (long i = 0; i < S * D; i++) h[i] += w.y[i]; /* the last layer's residual */
-            if (head) {
-                for (long s = 0; s < keep; s++) rms_norm(h + (S - keep + s) * D, head->ln1, head->eps, w.x + s * D, D);
-                linear_round(w.x, head, 0, keep, N, D, &w.r);
+                for (long i = s * D; i < (s + 1) * D; i++) h[i] += w.y[i]; /* the last layer's residual */
+            if (head && s >= S - keep) {
+                const long k = s - (S - keep); /* the head's row */
+                rms_norm(h + s * D, head->ln1, head->eps, w.x + k * D, D);
+                linear_round(w.x, head, 0, k, N, D, &w.r);
             }
         }
         if (head) linear_rows(w.x, head, 0, logits, keep, N, D, &w.r);
@@ -1759,19 +1761,20 @@ static int parts_read(int n, const int *types, const long *rows, long S, long D)
 }
 
 /* x rounded once for every part that reads it (one thread: the others wait at the next loop) */
-static void round_x(const float *x, long S, long D, int reads, struct rounded *r) {
+static void round_row(const float *x, long s, long D, int reads, struct rounded *r) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
-    memset(r->x_sums, 0, sizeof(float) * S * nbp);
-    quantize_rows(x, S, D, r->xq, r->x_d, r->x_sums, nbp);
-    if (reads & 1) unit_sums(r->xq, S, D, 32, r->isums32);
-    if (reads & 2) unit_sums(r->xq, S, D, 16, r->isums16);
+    signed char *xq = r->xq + s * D;
+    memset(r->x_sums + s * nbp, 0, sizeof(float) * nbp);
+    quantize_rows(x + s * D, 1, D, xq, r->x_d + s * nb, r->x_sums + s * nbp, nbp);
+    if (reads & 1) unit_sums(xq, 1, D, 32, r->isums32 + s * (D / 32));
+    if (reads & 2) unit_sums(xq, 1, D, 16, r->isums16 + s * (D / 16));
     if (reads & 4) {
-        for (long i = 0; i < S * D; i++) r->xu[i] = (unsigned char)(r->xq[i] + 128);
-        for (long i = 0; i < S * nb * 8; i++) r->x_dexp[i] = r->x_d[i / 8];
+        for (long i = 0; i < D; i++) r->xu[s * D + i] = (unsigned char)(xq[i] + 128);
+        for (long i = 0; i < nb * 8; i++) r->x_dexp[s * nb * 8 + i] = r->x_d[s * nb + i / 8];
     }
 }
 
-/* y[S, N] (+ bias[N]) = x @ w^T on the calling team, x rounded in r (round_x): part p's rows[p] rows of blocks of
+/* y[S, N] (+ bias[N]) = x @ w^T on the calling team, x rounded in r (round_row): part p's rows[p] rows of blocks of
    types[p] into the next rows[p] columns of y (rows ldy floats apart); one loop takes 16 rows at a time from any part */
 static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
                        const float *bias, float *y, long ldy, long S, long D, int reference) {
@@ -1808,7 +1811,7 @@ int gguf_parts_into(const float *x, int n, const unsigned char *const *w, const 
     const int reads = parts_read(n, types, rows, S, D);
     struct rounded r;
     if (!reads || rounded_alloc(&r, S, D)) return -1;
-    round_x(x, S, D, reads, &r);
+    for (long s = 0; s < S; s++) round_row(x, s, D, reads, &r);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     parts_team(&r, n, w, types, rows, NULL, y, ldy, S, D, reference);
     rounded_free(&r);
