@@ -258,48 +258,45 @@ static void round_row(const float *x, long s, long D, int reads, struct rounded 
 static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
                        const float *bias, float *y, long ldy, long S, long D, int reference);
 
-/* matrix m of L as GGUF parts (a matrix of one type is one part): their count, else 0 (a float kind) */
-static int gguf_parts(const struct layer *L, int m, const unsigned char **w, int *types, long *rows, long N) {
+/* matrix m of L as GGUF parts (a matrix of one type is one part); n = 0: a float kind */
+struct parts {
+    int n;
+    const unsigned char *w[3];
+    int types[3];
+    long rows[3];
+};
+
+static struct parts gguf_parts(const struct layer *L, int m, long N) {
+    struct parts p = {0};
     if (L->part_rows[m][0]) {
-        int n = 0;
-        for (; n < 3 && L->part_rows[m][n]; n++)
-            w[n] = L->part_w[m][n], types[n] = L->part_type[m][n], rows[n] = L->part_rows[m][n];
-        return n;
+        for (; p.n < 3 && L->part_rows[m][p.n]; p.n++)
+            p.w[p.n] = L->part_w[m][p.n], p.types[p.n] = L->part_type[m][p.n], p.rows[p.n] = L->part_rows[m][p.n];
+    } else if (L->kind[m] > GGUF_KIND) {
+        p.n = 1, p.w[0] = L->w[m], p.types[0] = L->kind[m] - GGUF_KIND, p.rows[0] = N;
     }
-    if (L->kind[m] <= GGUF_KIND) return 0;
-    w[0] = L->w[m], types[0] = L->kind[m] - GGUF_KIND, rows[0] = N;
-    return 1;
+    return p;
 }
 
 /* whether matrix m [N, D] of L is one the kernels take for S rows */
 static int matrix_ok(const struct layer *L, int m, long S, long N, long D) {
-    const unsigned char *w[3];
-    int types[3];
-    long rows[3];
-    const int n = gguf_parts(L, m, w, types, rows, N);
-    if (!n) return L->kind[m] == F32 || L->kind[m] == BF16 || L->kind[m] == INT8;
+    const struct parts p = gguf_parts(L, m, N);
+    if (!p.n) return L->kind[m] == F32 || L->kind[m] == BF16 || L->kind[m] == INT8;
     long at = 0;
-    for (int i = 0; i < n; i++) at += rows[i];
-    return at == N && parts_read(n, types, rows, S, D) != 0;
+    for (int i = 0; i < p.n; i++) at += p.rows[i];
+    return at == N && parts_read(p.n, p.types, p.rows, S, D) != 0;
 }
 
 /* y [S, N] = x [S, D] @ (matrix m of L)^T (+ its bias) in two steps: linear_round for each row (by the thread that
    wrote the row: a GGUF matrix's x rounded into r), then linear_rows on the whole team */
 static void linear_round(const float *x, const struct layer *L, int m, long s, long N, long D, struct rounded *r) {
-    const unsigned char *w[3];
-    int types[3];
-    long rows[3];
-    const int n = gguf_parts(L, m, w, types, rows, N);
-    if (n) round_row(x, s, D, parts_read(n, types, rows, 1, D), r);
+    const struct parts p = gguf_parts(L, m, N);
+    if (p.n) round_row(x, s, D, parts_read(p.n, p.types, p.rows, 1, D), r);
 }
 
 static void linear_rows(const float *x, const struct layer *L, int m, float *y, long S, long N, long D, const struct rounded *r) {
-    const unsigned char *w[3];
-    int types[3];
-    long rows[3];
-    const int n = gguf_parts(L, m, w, types, rows, N);
-    if (n)
-        parts_team(r, n, w, types, rows, L->bias[m], y, N, S, D, 0);
+    const struct parts p = gguf_parts(L, m, N);
+    if (p.n)
+        parts_team(r, p.n, p.w, p.types, p.rows, L->bias[m], y, N, S, D, 0);
     else
         linear_team(x, L->w[m], L->kind[m], L->scale[m], L->bias[m], y, S, N, D);
 }
@@ -633,7 +630,7 @@ static void silu_mul(const float *gate, const float *up, float *y, long n) {
 struct work {
     float *x, *qkv, *att, *gu, *act, *y; /* [S, D], [S, Q], [S, H hd], [S, 2 I], [S, I], [S, D] */
     struct rounded r;
-    long R, keys; /* attention: an item's query rows at most, and keys a row attends to at most */
+    long R, keys, hd; /* attention: an item's query rows, the keys a row attends to, a head's size, at most */
     int threads;  /* asked for: what attention's runs are cut for (a smaller team only balances worse) */
     int failed;   /* a thread got no attention scratch: the call returns -1 */
 };
@@ -666,7 +663,7 @@ static int work_alloc(struct work *w, const struct layer *const *L, int n, const
             || !matrix_ok(l, 2, S, 2 * l->I, D) || !matrix_ok(l, 3, S, D, l->I)) return -1;
         Q = q > Q ? q : Q, A = l->H * l->hd > A ? l->H * l->hd : A, I = l->I > I ? l->I : I;
         const long R = attention_run(l, S, threads) * (l->H / l->Hkv);
-        w->R = R > w->R ? R : w->R;
+        w->R = R > w->R ? R : w->R, w->hd = l->hd > w->hd ? l->hd : w->hd;
         X = A > X ? A : X, X = I > X ? I : X;
     }
     if (head && !matrix_ok(head, 0, S, headN, D)) return -1;
@@ -766,7 +763,7 @@ static int forward(const struct layer *const *L, int n, const float *const *rows
     const long D = head ? head->D : L[0]->D;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *p = n ? malloc(sizeof(float) * (w.R * (w.keys + 1) + (LANES + 2 * w.R) * 512)) : NULL;
+        float *p = n ? malloc(sizeof(float) * (w.R * (w.keys + 1) + (LANES + 2 * w.R) * w.hd)) : NULL;
         long *m = n ? malloc(sizeof(long) * w.R) : NULL;
         if (n && (!p || !m)) {
 #pragma omp atomic write
@@ -1760,7 +1757,7 @@ static int parts_read(int n, const int *types, const long *rows, long S, long D)
     return reads;
 }
 
-/* x rounded once for every part that reads it (one thread: the others wait at the next loop) */
+/* row s of x rounded for every part that reads it (by the thread that wrote the row) */
 static void round_row(const float *x, long s, long D, int reads, struct rounded *r) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8; /* blocks a row's sums are kept for: whole units of 8 */
     signed char *xq = r->xq + s * D;
