@@ -53,6 +53,27 @@ def quantised(kind: str, n: int = 40, d: int = 96, seed: int = 0) -> GGUFWeights
     return GGUFWeights(torch.from_numpy(blocks.reshape(n, -1)), kind, (n, d))
 
 
+FLOAT16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), **SCALES}  # a block's scales
+
+
+def saturated(kind: str, n: int = 48, d: int = 96) -> GGUFWeights:
+    """Every bit of every block set but its float16 scales (0.01): each type's largest integers. With x at +-1
+    everywhere (it rounds to +-127), a unit's integer sums are as large as they get: where the AVX2 path adds
+    products in 16 bits before widening them, an overflow shows here."""
+    w = quantised(kind, n, d)
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+    blocks = np.full((n, w.blocks.shape[1] // size, size), 0xFF, dtype=np.uint8)
+    for at in FLOAT16_AT[kind]:
+        blocks[:, :, at : at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    return GGUFWeights(torch.from_numpy(blocks.reshape(n, -1)), kind, w.shape)
+
+
+def saturating_x(d: int) -> torch.Tensor:
+    """[4, d]: all +1, all -1, and alternating signs a block of 32 apart"""
+    block_signs = torch.tensor([1.0, -1.0]).repeat(d // 64 + 1)[: d // 32].repeat_interleave(32)
+    return torch.stack([torch.ones(d), -torch.ones(d), block_signs, -block_signs])
+
+
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|y - x @ w^T| at most: x is rounded to int8 per block of 32 with step amax / 127, so each x moves by at most
     half a step; each output moves by at most sum_j |w_j| * half the step of x_j's block. [S, N] float64."""
@@ -94,6 +115,16 @@ def test_the_simd_path_gives_the_plain_c_path_s_bits_and_threads_change_nothing(
     assert torch.equal(simd, gguf_linear(x, w, reference=True))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert torch.equal(gguf_linear(x, w), simd)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_largest_integers_give_the_plain_c_path_s_bits(kind, layout):
+    w = in_layout(saturated(kind), layout)
+    x = saturating_x(w.shape[1])
+    simd = gguf_linear(x, w)
+    assert torch.equal(simd, gguf_linear(x, w, reference=True))
+    assert (simd[0] != 0).all()  # the weights really are large: x @ w is far from 0 in every row
 
 
 def test_more_than_sixteen_positions_go_sixteen_at_a_time():
@@ -141,17 +172,20 @@ def test_the_avx2_path_compiled_for_a_cpu_without_avx512_gives_its_plain_c_bits(
     fn = ctypes.CDLL(str(lib_path)).gguf_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
-    for kind, layout in [(k, layout) for k in TYPES for layout in LAYOUTS]:
-        w = in_layout(quantised(kind, n=48, d=96, seed=6), layout)
+    def products(x, w, rows, reference):
         data, code = w.kernel_operand()
+        y = torch.empty(rows, 48)
+        assert fn(x.data_ptr(), data.data_ptr(), code, y.data_ptr(), rows, 48, w.shape[1], 2, reference) == 0
+        return y
+
+    for kind, layout in [(k, layout) for k in TYPES for layout in LAYOUTS]:
+        big = in_layout(saturated(kind), layout)  # the largest integers (its 16-bit sums), 4 positions
+        x = saturating_x(big.shape[1])
+        assert torch.equal(products(x, big, 4, 0), products(x, big, 4, 1)), kind
+        w = in_layout(quantised(kind, n=48, d=96, seed=6), layout)
         D = w.shape[1]
         x = torch.randn(5, D, generator=torch.Generator().manual_seed(6))
-        out = {}
-        for reference in (0, 1):
-            for rows in (5, 1):
-                y = torch.empty(rows, 48)
-                assert fn(x.data_ptr(), data.data_ptr(), code, y.data_ptr(), rows, 48, D, 2, reference) == 0
-                out[reference, rows] = y
+        out = {(reference, rows): products(x, w, rows, reference) for reference in (0, 1) for rows in (5, 1)}
         assert torch.equal(out[0, 5], out[1, 5]) and torch.equal(out[0, 5][:1], out[0, 1])
         error = (out[0, 5].double() - x.double() @ w.float().double().T).abs()
         assert (error <= rounding_bound(x, w.float()) + 1e-4).all()

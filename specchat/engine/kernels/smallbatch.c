@@ -1364,11 +1364,7 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 
 #define PACKED 100   /* type PACKED + a ggml type: gguf_pack's layout */
 #define PACK_ROWS 16
-#if GGUF_LANES == 16
-#define PACKED_CHUNK 12 /* positions a pass takes: 2 registers each of 32, the rest for the weights */
-#else
-#define PACKED_CHUNK 8
-#endif
+#define PACKED_CHUNK 12 /* positions an AVX-512 pass takes: 2 registers each of 32, the rest for the weights */
 
 static inline int pack_unit(int type) { return type == GGUF_Q6_K ? 16 : 32; } /* weights deep per row scale */
 static inline int pack_nibbles(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
@@ -1495,9 +1491,21 @@ static inline __m256i dot_acc(__m256i i, __m256i u, __m256i s) {
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define SIGNED_BYTES 0 /* dpbusd takes Q8_0's q + 128 as it is */
+/* products into a unit's 32-bit sums directly (part: a 32-bit sum) */
+#define PART_ACC(part, u, s) dot_acc(part, u, s)
+#define PART_WIDE(part) (part)
 #else
 #define SIGNED_BYTES 1
+/* Without VNNI a product is maddubs (16-bit pair sums), then madd by ones to 32 bits. The pair sums of up to
+   part_terms(type) products are added in 16 bits first (|x| <= 127: they cannot overflow) and widened once: a
+   multiply and an add fewer a product, the same integers. */
+#define PART_ACC(part, u, s) _mm256_add_epi16(part, _mm256_maddubs_epi16(u, s))
+#define PART_WIDE(part) _mm256_madd_epi16(part, _mm256_set1_epi16(1))
 #endif
+
+/* how many products PART_ACC may add before PART_WIDE: pair sums are at most 2 * 127 * the largest weight (15 for
+   nibbles, 31 for the 5-bit types, 63 for Q6_K), and a 16-bit lane holds 32767 */
+static inline int part_terms(int type) { return pack_nibbles(type) ? 8 : type == GGUF_Q6_K ? 2 : 4; }
 
 static inline int four_bytes(const signed char *p) {
     int v;
@@ -1580,19 +1588,20 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
     }
 }
 #elif defined(__AVX2__)
-/* the same in two halves of 8 rows (bytes 0-31 and 32-63 of each operand) */
+/* The same in two halves of 8 rows (bytes 0-31 and 32-63 of each operand), position by position: a unit's operands
+   decoded once into registers, then multiplied by each position in turn, whose float sums stay in memory. (The
+   AVX-512 path's order, every position's sums in registers, spills on AVX2's 16 registers.) */
 static inline __attribute__((always_inline)) void packed_rows256(const float *x_d, const float *x_sums, const int *x_isums,
                                                                  const signed char *xq, const unsigned char *p, float *y,
-                                                                 long ldy, const long S, long D, long N, long g0, long g1,
+                                                                 long ldy, long S, long D, long N, long g0, long g1,
                                                                  const int type) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
     const long run = units / units_per_header(type) * header_span(type);
-    const int nib = pack_nibbles(type), k = pack_int_offset(type);
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int nib = pack_nibbles(type), k = pack_int_offset(type), ops = U / 4, terms = SIGNED_BYTES ? part_terms(type) : ops;
     for (long g = g0; g < g1; g++) {
         const unsigned char *base = p + g * run;
         for (int h = 0; h < 2; h++) {
-            __m256 acc[PACKED_CHUNK];
+            __m256 acc[16]; /* [S] */
             for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
             for (long u = 0; u < units; u++) {
                 const unsigned char *unit = unit_at(type, base, u);
@@ -1600,40 +1609,27 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                     for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
                         _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
                 const long b = u * U / QK;
-                __m256i sums[PACKED_CHUNK];
-                for (long s = 0; s < S; s++)
-                    sums[s] = k ? _mm256_set1_epi32(-k * x_isums[s * units + u]) : _mm256_setzero_si256();
+                __m256i w[8]; /* [ops] operands: 8 rows' weights 4o..4o+3 */
                 if (nib) {
                     for (int v = 0; v < 4; v++) {
                         __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * v + 32 * h));
-                        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                        for (long s = 0; s < S; s++) {
-                            const signed char *xs = xq + s * D + u * U;
-                            sums[s] = dot_acc(sums[s], lo, _mm256_set1_epi32(four_bytes(xs + 4 * v)));
-                            sums[s] = dot_acc(sums[s], hi, _mm256_set1_epi32(four_bytes(xs + 4 * v + 16)));
-                        }
-                    }
-                } else if (SIGNED_BYTES && k == 128) { /* Q8_0 without VNNI: q = r - 128 times x, from sums of 0 */
-                    for (long s = 0; s < S; s++) sums[s] = _mm256_setzero_si256();
-                    for (int o = 0; o < U / 4; o++) {
-                        __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h)), _mm256_set1_epi8((char)0x80));
-                        __m256i size = _mm256_sign_epi8(q, q);
-                        for (long s = 0; s < S; s++) {
-                            __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)), q);
-                            sums[s] = _mm256_add_epi32(sums[s], _mm256_madd_epi16(_mm256_maddubs_epi16(size, xs), _mm256_set1_epi16(1)));
-                        }
+                        w[v] = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
+                        w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
                     }
                 } else {
-                    for (int o = 0; o < U / 4; o++) {
-                        __m256i op = _mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h));
-                        for (long s = 0; s < S; s++)
-                            sums[s] = dot_acc(sums[s], op, _mm256_set1_epi32(four_bytes(xq + s * D + u * U + 4 * o)));
-                    }
+                    for (int o = 0; o < ops; o++) w[o] = _mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h));
                 }
                 __m256 scale, offset;
                 packed_scales8(type, header_at(type, base, u), unit + wb, h, &scale, &offset);
                 for (long s = 0; s < S; s++) {
-                    acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[s]), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
+                    const signed char *xs = xq + s * D + u * U;
+                    __m256i sum = k ? _mm256_set1_epi32(-k * x_isums[s * units + u]) : _mm256_setzero_si256();
+                    for (int o0 = 0; o0 < ops; o0 += terms) {
+                        __m256i part = _mm256_setzero_si256();
+                        for (int o = o0; o < o0 + terms; o++) part = PART_ACC(part, w[o], _mm256_set1_epi32(four_bytes(xs + 4 * o)));
+                        sum = _mm256_add_epi32(sum, PART_WIDE(part));
+                    }
+                    acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + b])), acc[s]);
                     if (!k) acc[s] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_sums[s * nbp + b]), acc[s]);
                 }
             }
@@ -1646,6 +1642,49 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
         }
     }
 }
+
+#if SIGNED_BYTES
+/* Q8_0 without VNNI (its products cannot share 16-bit sums): q = r - 128 times x, by sign and maddubs, position-major
+   as the AVX-512 path (S a constant up to 8 where it is inlined: a unit's integer sums and float sums in registers) */
+static inline __attribute__((always_inline)) void packed_rows256_q8(const float *x_d, const signed char *xq,
+                                                                    const unsigned char *p, float *y, long ldy,
+                                                                    const long S, long D, long N, long g0, long g1) {
+    const int type = GGUF_Q8_0;
+    const long nb = D / QK, units = D / QK, wb = unit_weight_bytes(type), run = units * header_span(type);
+    for (long g = g0; g < g1; g++) {
+        const unsigned char *base = p + g * run;
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[8]; /* [S] */
+            for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
+            for (long u = 0; u < units; u++) {
+                const unsigned char *unit = unit_at(type, base, u);
+                if (h == 0)
+                    for (long o = 0; o < unit_bytes(type); o += 64) _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+                __m256i sums[8];
+                for (long s = 0; s < S; s++) sums[s] = _mm256_setzero_si256();
+                for (int o = 0; o < QK / 4; o++) {
+                    __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h)), _mm256_set1_epi8((char)0x80));
+                    __m256i size = _mm256_sign_epi8(q, q);
+                    for (long s = 0; s < S; s++) {
+                        __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xq + s * D + u * QK + 4 * o)), q);
+                        sums[s] = _mm256_add_epi32(sums[s], _mm256_madd_epi16(_mm256_maddubs_epi16(size, xs), _mm256_set1_epi16(1)));
+                    }
+                }
+                __m256 scale, offset;
+                packed_scales8(type, header_at(type, base, u), unit + wb, h, &scale, &offset);
+                for (long s = 0; s < S; s++)
+                    acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[s]), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + u])), acc[s]);
+            }
+            long rows = N - g * PACK_ROWS - 8 * h;
+            for (long s = 0; s < S; s++) {
+                float out[8];
+                _mm256_storeu_ps(out, acc[s]);
+                for (long r = 0; r < 8 && r < rows; r++) y[s * ldy + g * PACK_ROWS + 8 * h + r] = out[r];
+            }
+        }
+    }
+}
+#endif
 #endif
 
 /* the same arithmetic in plain C, a row and a position at a time (the tests' reference; the path without AVX2) */
@@ -1679,24 +1718,15 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
     }
 }
 
-#if GGUF_LANES == 16
-#define PACKED_ROWS packed_rows512
-#define PACKED_WIDE(t) \
-            case 9: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 9, D, N, g0, g1, t); break; \
-            case 10: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 10, D, N, g0, g1, t); break; \
-            case 11: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 11, D, N, g0, g1, t); break; \
-            default: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 12, D, N, g0, g1, t); break;
-#else
-#define PACKED_ROWS packed_rows256
-#define PACKED_WIDE(t) default: break;
-#endif
+#define PACKED_TYPES(TYPE) TYPE(GGUF_Q4_0) TYPE(GGUF_Q4_1) TYPE(GGUF_Q5_0) TYPE(GGUF_Q5_1) TYPE(GGUF_Q8_0) \
+                           TYPE(GGUF_Q4_K) TYPE(GGUF_Q5_K) TYPE(GGUF_Q6_K)
 
-/* groups g0..g1-1: up to PACKED_CHUNK positions at once (a register each for the integer and the float sums), in
-   even chunks */
+/* groups g0..g1-1 of S positions; the AVX-512 path up to PACKED_CHUNK positions at once (a register each for the
+   integer and the float sums), in even chunks */
 static void packed_rows(const float *x_d, const float *x_sums, const int *x_isums, const signed char *xq,
                         const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1,
                         int reference) {
-#if GGUF_LANES == 16 || defined(__AVX2__)
+#if GGUF_LANES == 16
     if (!reference) {
         const long nb = D / QK, nbp = (nb + 7) / 8 * 8, units = D / pack_unit(type);
         const long chunk = S <= PACKED_CHUNK ? S : (S + 1) / 2;
@@ -1706,23 +1736,36 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
             const int *is = x_isums + s0 * units;
             const signed char *xs = xq + s0 * D;
             float *ys = y + s0 * ldy;
-#define TYPE(t) case t: switch (n) { \
-            case 1: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 1, D, N, g0, g1, t); break; \
-            case 2: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 2, D, N, g0, g1, t); break; \
-            case 3: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 3, D, N, g0, g1, t); break; \
-            case 4: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 4, D, N, g0, g1, t); break; \
-            case 5: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 5, D, N, g0, g1, t); break; \
-            case 6: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 6, D, N, g0, g1, t); break; \
-            case 7: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 7, D, N, g0, g1, t); break; \
-            case 8: PACKED_ROWS(d, sums, is, xs, p, ys, ldy, 8, D, N, g0, g1, t); break; \
-            PACKED_WIDE(t) } break;
-            switch (type) {
-                TYPE(GGUF_Q4_0) TYPE(GGUF_Q4_1) TYPE(GGUF_Q5_0) TYPE(GGUF_Q5_1) TYPE(GGUF_Q8_0)
-                TYPE(GGUF_Q4_K) TYPE(GGUF_Q5_K) TYPE(GGUF_Q6_K)
-            }
+#define ROWS(n, t) case n: packed_rows512(d, sums, is, xs, p, ys, ldy, n, D, N, g0, g1, t); break;
+#define TYPE(t) case t: switch (n) { ROWS(1, t) ROWS(2, t) ROWS(3, t) ROWS(4, t) ROWS(5, t) ROWS(6, t) ROWS(7, t) \
+                                     ROWS(8, t) ROWS(9, t) ROWS(10, t) ROWS(11, t) default: ROWS(12, t) } break;
+            switch (type) { PACKED_TYPES(TYPE) }
 #undef TYPE
-#undef PACKED_ROWS
+#undef ROWS
         }
+        return;
+    }
+#elif defined(__AVX2__)
+#if SIGNED_BYTES
+    if (!reference && type == GGUF_Q8_0) {
+        for (long s0 = 0; s0 < S; s0 += 8) { /* chunks of 8: the last the rest */
+            const long n = S - s0 < 8 ? S - s0 : 8;
+            const float *d = x_d + s0 * (D / QK);
+            const signed char *xs = xq + s0 * D;
+            float *ys = y + s0 * ldy;
+#define ROWS(n) case n: packed_rows256_q8(d, xs, p, ys, ldy, n, D, N, g0, g1); break;
+            switch (n) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
+#undef ROWS
+        }
+        return;
+    }
+#endif
+    if (!reference) {
+#define ROWS(n, t) packed_rows256(x_d, x_sums, x_isums, xq, p, y, ldy, n, D, N, g0, g1, t)
+#define TYPE(t) case t: if (S == 1) ROWS(1, t); else if (S == 2) ROWS(2, t); else ROWS(S, t); break;
+        switch (type) { PACKED_TYPES(TYPE) }
+#undef ROWS
+#undef TYPE
         return;
     }
 #endif
