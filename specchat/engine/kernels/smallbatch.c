@@ -1351,8 +1351,10 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
    dpbusd multiplies 16 rows by 4 weights each against 4 of x's bytes broadcast; a unit's (32 weights deep, 16 for
    Q6_K) integer sums stay integers, and a position pays 3-4 float operations per 16 rows x 32 weights.
    A group of 16 rows, unit by unit: the weights as unsigned integers r (the file's q plus the type's offset: Q4_0 8,
-   Q5_0 16, Q6_K 32, Q8_0 128), operand o (4 deep) as 64 bytes, byte 4 * row + i = r[row][4o + i] (the 4-bit types
-   keep operand o in the low nibbles and o + 4 in the high ones of 64 bytes); then the unit's scales, as compact as
+   Q5_0 16, Q6_K 32, Q8_0 128), operand o (4 deep) as 64 bytes, byte 4 * row + i = r[row][4o + i] for Q8_0; every
+   other type keeps r's low 4 bits, operand o in the low nibbles and o + ops / 2 in the high ones of 64 bytes, and
+   the 5- and 6-bit types the rest of r in a plane of 64 bytes after them (byte 4 * row + i: operand o's 1 or 2 top
+   bits at bit 1 * o or 2 * o), so a unit holds the file's bits, no more; then the unit's scales, as compact as
    the file's and exactly its values: the 32-weight types' float16 scale (and offset) for each row; the K-quants'
    integer sub-block scale (and min) for each row, with each row's float16 d (and dmin) once per super-block, ahead
    of its units; scale = d * sc and offset = -(dmin * m) are products exact in float32. w = scale * r + offset (Q4_1,
@@ -1367,12 +1369,20 @@ static void gguf_rows(const float *x_d, const float *x_dexp, const float *x_sums
 #define PACKED_CHUNK 12 /* positions an AVX-512 pass takes: 2 registers each of 32, the rest for the weights */
 
 static inline int pack_unit(int type) { return type == GGUF_Q6_K ? 16 : 32; } /* weights deep per row scale */
-static inline int pack_nibbles(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
+/* every type but Q8_0 keeps its integers' low 4 bits as nibbles (operand o in the low nibbles of 64 bytes, o + ops / 2
+   in the high ones) and the 5- and 6-bit types their top bits in a plane after them: the file's bits, no more */
+static inline int pack_nibbles(int type) { return type != GGUF_Q8_0; }
+static inline int pack_high_bits(int type) {
+    return type == GGUF_Q6_K ? 2 : type == GGUF_Q5_0 || type == GGUF_Q5_1 || type == GGUF_Q5_K ? 1 : 0;
+}
 static inline int pack_int_offset(int type) {
     return type == GGUF_Q4_0 ? 8 : type == GGUF_Q5_0 ? 16 : type == GGUF_Q6_K ? 32 : type == GGUF_Q8_0 ? 128 : 0;
 }
 static inline int packable(int type) { return block_bytes(type) != 0; }
-static inline long unit_weight_bytes(int type) { return (long)pack_unit(type) * PACK_ROWS / (pack_nibbles(type) ? 2 : 1); }
+static inline long unit_weight_bytes(int type) {
+    const long weights = (long)pack_unit(type) * PACK_ROWS;
+    return pack_nibbles(type) ? weights / 2 + weights * pack_high_bits(type) / 8 : weights;
+}
 /* a unit's bytes: its weights, then per row a float16 scale (and offset), or the K-quants' sc (and m) bytes */
 static inline long unit_bytes(int type) {
     long per_row = k_quant(type) ? (type == GGUF_Q6_K ? 1 : 2) : (pack_int_offset(type) ? 2 : 4);
@@ -1403,7 +1413,7 @@ int gguf_pack(const unsigned char *w, int type, long N, long D, unsigned char *o
     memset(out, 0, size);
     const long nb = D / QK, row_bytes = D / (k_quant(type) ? 256 : QK) * block_bytes(type), U = pack_unit(type);
     const long units = D / U, wb = unit_weight_bytes(type), run = units / units_per_header(type) * header_span(type);
-    const int nib = pack_nibbles(type), k = pack_int_offset(type);
+    const int nib = pack_nibbles(type), high = pack_high_bits(type), k = pack_int_offset(type);
     const long groups = (N + PACK_ROWS - 1) / PACK_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long g = 0; g < groups; g++) {
@@ -1441,14 +1451,18 @@ int gguf_pack(const unsigned char *w, int type, long N, long D, unsigned char *o
                     }
                 }
             }
-            for (int word = 0; word < 8; word++) { /* weights 4 word .. 4 word + 3: operand word % (U / 4) */
-                long first = b * QK + 4 * word;
-                unsigned int *operand = (unsigned int *)unit_at(type, base, first / U) + (first % U) / 4 * PACK_ROWS;
+            for (int word = 0; word < 8; word++) { /* weights 4 word .. 4 word + 3: operand o of unit u */
+                const long first = b * QK + 4 * word, o = (first % U) / 4, half = U / 8;
+                unsigned int *unit = (unsigned int *)unit_at(type, base, first / U);
                 if (!nib) {
-                    for (long r = 0; r < rows; r++) operand[r] = words[r][word];
-                } else if (word < 4) { /* operand word in the low nibbles, word + 4 in the high ones */
-                    for (long r = 0; r < rows; r++) operand[r] = words[r][word] | words[r][word + 4] << 4;
+                    for (long r = 0; r < rows; r++) unit[o * PACK_ROWS + r] = words[r][word];
+                    continue;
                 }
+                /* byte by byte within a word: no bit crosses into the next byte */
+                for (long r = 0; r < rows; r++) unit[o % half * PACK_ROWS + r] |= (words[r][word] & 0x0f0f0f0fu) << (4 * (o / half));
+                if (high)
+                    for (long r = 0; r < rows; r++)
+                        unit[half * PACK_ROWS + r] |= (words[r][word] >> 4 & (high == 2 ? 0x03030303u : 0x01010101u)) << (high * o);
             }
         }
     }
@@ -1505,12 +1519,19 @@ static inline __m256i dot_acc(__m256i i, __m256i u, __m256i s) {
 
 /* how many products PART_ACC may add before PART_WIDE: pair sums are at most 2 * 127 * the largest weight (15 for
    nibbles, 31 for the 5-bit types, 63 for Q6_K), and a 16-bit lane holds 32767 */
-static inline int part_terms(int type) { return pack_nibbles(type) ? 8 : type == GGUF_Q6_K ? 2 : 4; }
+static inline int part_terms(int type) { return 8 >> pack_high_bits(type); }
 
 static inline int four_bytes(const signed char *p) {
     int v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* operand o's top bits from a plane (`high` bits an operand, operand o's at bits high * o of each byte), at bits 4.. */
+static inline __m256i high_bits256(__m256i plane, int high, int o) {
+    const int at = high * o;
+    __m256i moved = at < 4 ? _mm256_slli_epi16(plane, 4 - at) : _mm256_srli_epi16(plane, at - 4); /* no kept bit crosses a byte */
+    return _mm256_and_si256(moved, _mm256_set1_epi8((char)(high == 2 ? 0x30 : 0x10)));
 }
 
 /* 8 rows' scales and offsets (rows 8h..8h+7), packed_scale's values */
@@ -1534,6 +1555,12 @@ static inline __attribute__((always_inline)) void packed_scales8(int type, const
 #endif
 
 #if GGUF_LANES == 16
+static inline __m512i high_bits512(__m512i plane, int high, int o) { /* high_bits256's, 64 bytes */
+    const int at = high * o;
+    __m512i moved = at < 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi8((char)(high == 2 ? 0x30 : 0x10)));
+}
+
 /* rows g*16..g*16+15 (groups g0..g1-1) for S positions: operands decoded once a unit, each multiplied into every
    position's integer sums */
 static inline __attribute__((always_inline)) void packed_rows512(const float *x_d, const float *x_sums, const int *x_isums,
@@ -1542,7 +1569,7 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
                                                                  const int type) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
     const long run = units / units_per_header(type) * header_span(type);
-    const int nib = pack_nibbles(type), k = pack_int_offset(type);
+    const int nib = pack_nibbles(type), high = pack_high_bits(type), k = pack_int_offset(type), half = U / 8;
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (long g = g0; g < g1; g++) {
         const unsigned char *base = p + g * run;
@@ -1556,14 +1583,19 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
             __m512i sums[PACKED_CHUNK];
             for (long s = 0; s < S; s++)
                 sums[s] = k ? _mm512_set1_epi32(-k * x_isums[s * units + u]) : _mm512_setzero_si512();
-            if (nib) {
-                for (int v = 0; v < 4; v++) {
+            if (nib) { /* operands v and v + half */
+                const __m512i plane = high ? _mm512_loadu_si512(unit + 64 * half) : _mm512_setzero_si512();
+                for (int v = 0; v < half; v++) {
                     __m512i raw = _mm512_loadu_si512(unit + 64 * v);
                     __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    if (high) {
+                        lo = _mm512_or_si512(lo, high_bits512(plane, high, v));
+                        hi = _mm512_or_si512(hi, high_bits512(plane, high, v + half));
+                    }
                     for (long s = 0; s < S; s++) {
                         const signed char *xs = xq + s * D + u * U;
                         sums[s] = _mm512_dpbusd_epi32(sums[s], lo, _mm512_set1_epi32(four_bytes(xs + 4 * v)));
-                        sums[s] = _mm512_dpbusd_epi32(sums[s], hi, _mm512_set1_epi32(four_bytes(xs + 4 * v + 16)));
+                        sums[s] = _mm512_dpbusd_epi32(sums[s], hi, _mm512_set1_epi32(four_bytes(xs + 4 * (v + half))));
                     }
                 }
             } else {
@@ -1597,7 +1629,8 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                                                                  const int type) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
     const long run = units / units_per_header(type) * header_span(type);
-    const int nib = pack_nibbles(type), k = pack_int_offset(type), ops = U / 4, terms = SIGNED_BYTES ? part_terms(type) : ops;
+    const int nib = pack_nibbles(type), high = pack_high_bits(type), k = pack_int_offset(type), ops = U / 4, half = ops / 2;
+    const int terms = SIGNED_BYTES ? part_terms(type) : ops;
     for (long g = g0; g < g1; g++) {
         const unsigned char *base = p + g * run;
         for (int h = 0; h < 2; h++) {
@@ -1611,10 +1644,14 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                 const long b = u * U / QK;
                 __m256i w[8]; /* [ops] operands: 8 rows' weights 4o..4o+3 */
                 if (nib) {
-                    for (int v = 0; v < 4; v++) {
+                    for (int v = 0; v < half; v++) {
                         __m256i raw = _mm256_loadu_si256((const __m256i *)(unit + 64 * v + 32 * h));
                         w[v] = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
-                        w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
+                        w[v + half] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
+                    }
+                    if (high) {
+                        const __m256i plane = _mm256_loadu_si256((const __m256i *)(unit + 64 * half + 32 * h));
+                        for (int o = 0; o < ops; o++) w[o] = _mm256_or_si256(w[o], high_bits256(plane, high, o));
                     }
                 } else {
                     for (int o = 0; o < ops; o++) w[o] = _mm256_loadu_si256((const __m256i *)(unit + 64 * o + 32 * h));
@@ -1692,7 +1729,7 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
                               const unsigned char *p, int type, float *y, long ldy, long S, long D, long N, long g0, long g1) {
     const long nb = D / QK, nbp = (nb + 7) / 8 * 8, U = pack_unit(type), units = D / U, wb = unit_weight_bytes(type);
     const long run = units / units_per_header(type) * header_span(type);
-    const int nib = pack_nibbles(type), k = pack_int_offset(type);
+    const int nib = pack_nibbles(type), high = pack_high_bits(type), k = pack_int_offset(type), half = U / 8;
     for (long n = g0 * PACK_ROWS; n < g1 * PACK_ROWS && n < N; n++) {
         const long g = n / PACK_ROWS, r = n % PACK_ROWS;
         const unsigned char *base = p + g * run;
@@ -1705,7 +1742,8 @@ static void packed_rows_plain(const float *x_d, const float *x_sums, const int *
                 int sum = -k * x_isums[s * units + u];
                 for (long t = 0; t < U; t++) {
                     long o = t / 4, i = t % 4;
-                    int raw = nib ? (unit[(o % 4) * 64 + 4 * r + i] >> (4 * (o / 4))) & 0xf : unit[o * 64 + 4 * r + i];
+                    int raw = nib ? (unit[(o % half) * 64 + 4 * r + i] >> (4 * (o / half))) & 0xf : unit[o * 64 + 4 * r + i];
+                    if (high) raw |= (unit[half * 64 + 4 * r + i] >> (high * o) & ((1 << high) - 1)) << 4;
                     sum += raw * xs[t];
                 }
                 float scale, offset;
