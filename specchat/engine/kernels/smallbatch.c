@@ -1800,7 +1800,7 @@ static void packed_rows(const float *x_d, const float *x_sums, const int *x_isum
 #endif
     if (!reference) {
 #define ROWS(n, t) packed_rows256(x_d, x_sums, x_isums, xq, p, y, ldy, n, D, N, g0, g1, t)
-#define TYPE(t) case t: if (S == 1) ROWS(1, t); else if (S == 2) ROWS(2, t); else ROWS(S, t); break;
+#define TYPE(t) case t: if (S == 1) ROWS(1, t); else if (S == 2) ROWS(2, t); else ROWS(S, t); break; /* (Q8_0: above) */
         switch (type) { PACKED_TYPES(TYPE) }
 #undef ROWS
 #undef TYPE
