@@ -1399,6 +1399,12 @@ static inline const unsigned char *unit_at(int type, const unsigned char *base, 
 static inline const unsigned char *header_at(int type, const unsigned char *base, long u) {
     return base + u / units_per_header(type) * header_span(type);
 }
+#if defined(__AVX2__)
+/* every line of the unit PREFETCH bytes ahead of `unit`, its scales too (the SIMD paths) */
+static inline void prefetch_unit(int type, const unsigned char *unit) {
+    for (long o = 0; o < unit_bytes(type); o += 64) _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+}
+#endif
 
 /* bytes gguf_pack writes for N rows of D weights; 0 for a type or shape it does not pack */
 long gguf_packed_bytes(int type, long N, long D) {
@@ -1534,6 +1540,16 @@ static inline __m256i high_bits256(__m256i plane, int high, int o) {
     return _mm256_and_si256(moved, _mm256_set1_epi8((char)(high == 2 ? 0x30 : 0x10)));
 }
 
+/* rows 8h..8h+7 of group g (those below N) of S positions' sums into y */
+static inline void store_half(const __m256 *acc, float *y, long ldy, long S, long N, long g, int h) {
+    const long rows = N - g * PACK_ROWS - 8 * h;
+    for (long s = 0; s < S; s++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[s]);
+        for (long r = 0; r < 8 && r < rows; r++) y[s * ldy + g * PACK_ROWS + 8 * h + r] = out[r];
+    }
+}
+
 /* 8 rows' scales and offsets (rows 8h..8h+7), packed_scale's values */
 static inline __attribute__((always_inline)) void packed_scales8(int type, const unsigned char *head, const unsigned char *tail,
                                                                  int h, __m256 *scale, __m256 *offset) {
@@ -1577,8 +1593,7 @@ static inline __attribute__((always_inline)) void packed_rows512(const float *x_
         for (long s = 0; s < S; s++) acc[s] = _mm512_setzero_ps();
         for (long u = 0; u < units; u++) {
             const unsigned char *unit = unit_at(type, base, u);
-            for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
-                _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+            prefetch_unit(type, unit);
             const long b = u * U / QK;
             __m512i sums[PACKED_CHUNK];
             for (long s = 0; s < S; s++)
@@ -1638,9 +1653,7 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
             for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
             for (long u = 0; u < units; u++) {
                 const unsigned char *unit = unit_at(type, base, u);
-                if (h == 0)
-                    for (long o = 0; o < unit_bytes(type); o += 64) /* every line of the unit, its scales too */
-                        _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+                if (h == 0) prefetch_unit(type, unit);
                 const long b = u * U / QK;
                 __m256i w[8]; /* [ops] operands: 8 rows' weights 4o..4o+3 */
                 if (nib) {
@@ -1670,12 +1683,7 @@ static inline __attribute__((always_inline)) void packed_rows256(const float *x_
                     if (!k) acc[s] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_sums[s * nbp + b]), acc[s]);
                 }
             }
-            long rows = N - g * PACK_ROWS - 8 * h;
-            for (long s = 0; s < S; s++) {
-                float out[8];
-                _mm256_storeu_ps(out, acc[s]);
-                for (long r = 0; r < 8 && r < rows; r++) y[s * ldy + g * PACK_ROWS + 8 * h + r] = out[r];
-            }
+            store_half(acc, y, ldy, S, N, g, h);
         }
     }
 }
@@ -1695,8 +1703,7 @@ static inline __attribute__((always_inline)) void packed_rows256_q8(const float 
             for (long s = 0; s < S; s++) acc[s] = _mm256_setzero_ps();
             for (long u = 0; u < units; u++) {
                 const unsigned char *unit = unit_at(type, base, u);
-                if (h == 0)
-                    for (long o = 0; o < unit_bytes(type); o += 64) _mm_prefetch((const char *)unit + PREFETCH + o, _MM_HINT_T0);
+                if (h == 0) prefetch_unit(type, unit);
                 __m256i sums[8];
                 for (long s = 0; s < S; s++) sums[s] = _mm256_setzero_si256();
                 for (int o = 0; o < QK / 4; o++) {
@@ -1712,12 +1719,7 @@ static inline __attribute__((always_inline)) void packed_rows256_q8(const float 
                 for (long s = 0; s < S; s++)
                     acc[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[s]), _mm256_mul_ps(scale, _mm256_set1_ps(x_d[s * nb + u])), acc[s]);
             }
-            long rows = N - g * PACK_ROWS - 8 * h;
-            for (long s = 0; s < S; s++) {
-                float out[8];
-                _mm256_storeu_ps(out, acc[s]);
-                for (long r = 0; r < 8 && r < rows; r++) y[s * ldy + g * PACK_ROWS + 8 * h + r] = out[r];
-            }
+            store_half(acc, y, ldy, S, N, g, h);
         }
     }
 }
