@@ -43,7 +43,7 @@ class RoundRecord:
     draft_calls: int  # forward passes of the drafter this round
     draft_s: float
     verify_s: float  # target forward + acceptance + cache rollback
-    wall_s: float = 0.0  # the whole round, including building its events (what tokens/s is computed from)
+    wall_s: float = 0.0  # from the previous round's end (the caller's time between rounds too) to this one's: tokens/s's
     prefill_s: float = 0.0  # round 0 only: encoding the prompt (the part not already cached)
     tokens: list[TokenEvent] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)  # draft ids proposed after the first rejection (incl. it)

@@ -128,6 +128,9 @@ def generate(
         limit = min(limit, state.context_len - len(prompt))
     produced = 0
     round_index = 0
+    # a round's wall time runs from the previous round's end: what the caller does between rounds (the chat
+    # posting each one) slows the reply too, and tokens/s must say so
+    t_last = time.perf_counter()
     while produced < limit:
         chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
         drafter = chooser.for_round(state, params)  # mode auto: the mode it picked; the chat's baseline: a plain round
@@ -192,7 +195,8 @@ def generate(
         raw = None if params == UNWARPED else (logits, tops)  # the inspector's model's own distribution
         record.tokens = _token_events(new, n, p, q, raw, verdict.accept_probs, round_index, decode, params.greedy,
                                       draft_list if proposal.q is None else None)
-        record.wall_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        record.wall_s, t_last = now - t_last, now
         chooser.observe(record)
         produced += len(new)
         round_index += 1
