@@ -76,6 +76,16 @@ def physical_cores() -> int:
     return max(1, logical // max(per_core, 1))
 
 
+def spare_core() -> bool:
+    """Whether a physical core is left beside the forward's threads (torch's, as llama.cpp's follow the same
+    count): the chat's UI thread then draws without taking the decoder's CPU."""
+    if "torch" not in sys.modules:  # no local model in this process
+        return True
+    import torch
+
+    return torch.get_num_threads() < physical_cores()
+
+
 def _machine_ticks() -> tuple[int, int]:
     """(idle, total) clock ticks of every CPU since boot, from /proc/stat."""
     with open("/proc/stat") as f:

@@ -131,3 +131,12 @@ def test_llama_cpp_gets_the_longer_spin_torch_the_short_one_and_the_users_is_kep
     assert run_fresh(LLAMA_PROBE.format(engine="auto")).strip() == threads.LLAMA_CPP_SPIN_COUNT
     assert run_fresh(LLAMA_PROBE.format(engine="torch")).strip() == threads.SPIN_COUNT
     assert run_fresh(LLAMA_PROBE.format(engine="auto"), GOMP_SPINCOUNT="77").strip() == "77"
+
+
+def test_a_spare_core_is_one_the_forwards_threads_leave(keep_threads, monkeypatch):
+    """The chat redraws less often where the forward's threads take every core (tui/app.py)."""
+    monkeypatch.setattr(threads, "physical_cores", lambda: 4)
+    torch.set_num_threads(4)
+    assert not threads.spare_core()
+    torch.set_num_threads(3)
+    assert threads.spare_core()

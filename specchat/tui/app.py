@@ -1,7 +1,7 @@
 """The specchat chat app: a thin App whose actions delegate to the session and the widgets.
 
-Generation runs in a thread worker that posts one RoundDone message per round (messages.py: post_message
-is thread-safe and never blocks the decoder); the UI thread only draws.
+Generation runs in a thread worker that queues each round and posts a RoundsDone message when none is on its way
+(messages.py: post_message is thread-safe and never blocks the decoder); the UI thread only draws.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
+from specchat import threads
 from specchat.conversation import ChatSession, PromptTooLong
 from specchat.engine.errors import ModeUnavailable
 from specchat.export import default_export_path, markdown_path, save_export, write_export
@@ -40,15 +41,17 @@ from specchat.tui.conversations import ConversationsScreen
 from specchat.tui.help import HelpScreen
 from specchat.tui.keys import ACTION_KEYS, MAX_MODES, NOT_IN_FOOTER, key_label, mode_keys
 from specchat.tui.log import LogHandler, LogScreen, route_transformers_logging
-from specchat.tui.messages import LoadStage, LogLine, ModeReady, PrefillProgress, ReplyFinished, RoundDone, SessionLoaded
+from specchat.tui.messages import LoadStage, LogLine, ModeReady, PrefillProgress, ReplyFinished, RoundQueue, RoundsDone, SessionLoaded
 from specchat.tui.system import SystemPromptScreen
 from specchat.tui.themes import DEFAULT_THEME, FALLBACK_THEME, load_themes, token_defaults
 from specchat.tui.widgets import (Conversation, Inspector, Legend, MarkdownReply, ReplyView, SavedReply, StartupView, StatsPanel,
                                   UserView)
 
-# While a reply streams, the reply and the panel redraw on timers, not per round: a redraw holds the
-# GIL for milliseconds, and at tens of rounds per second that would slow the decoder it measures.
+# While a reply streams, the reply and the panel redraw on timers, not per round: a redraw takes the UI
+# thread milliseconds, and at tens of rounds per second that would slow the decoder it measures. Where the
+# forward's threads take every core, the UI thread's time is theirs: the reply redraws less often.
 REPLY_INTERVAL_S = 0.1
+SHARED_REPLY_INTERVAL_S = 0.3
 PANEL_INTERVAL_S = 0.3
 K_RANGE = (1, 16)
 WHILE_LOADING = {"help", "show_log", "toggle_panel", "toggle_markdown", "quit"}  # the actions that need no session
@@ -147,7 +150,9 @@ class SpecChatApp(App):
         self.conversation = conversation  # where every finished turn is saved (run_chat always gives one)
         self.export_path = Path(export_path) if export_path else None
         self.reply_view: ReplyView | None = None
-        self.snapshot = None  # what the panel shows: the latest from RoundDone, or taken after a change
+        self.snapshot = None  # what the panel shows: the session's statistics when it was last drawn
+        self.rounds = RoundQueue()  # rounds from the generation thread, not drawn yet
+        self.reply_interval = REPLY_INTERVAL_S
         self.modes: dict[str, str] = session.modes if session is not None else MODES  # name -> what it is, in key order
         self.mode_keys = {mode: key_label(key) for mode, key in mode_keys(self.modes).items()}  # as shown: "F2"
         self.remote = False  # a server runs the models (take_session reads the session's EngineInfo)
@@ -418,6 +423,8 @@ class SpecChatApp(App):
             self.reply_view.status = f"reading the {earlier} earlier messages first…"
         conversation.mount(self.reply_view, after=view)  # before any message queued after this one
         conversation.anchor()
+        spare = self.remote or threads.spare_core()  # (a server decodes elsewhere)
+        self.reply_interval = REPLY_INTERVAL_S if spare else SHARED_REPLY_INTERVAL_S
         self.generating = True
         self.generate_reply(text)
 
@@ -442,7 +449,8 @@ class SpecChatApp(App):
             # closing(): stopping early runs the session's finally block here, so the turn is recorded
             with closing(self.session.reply(text)) as rounds:
                 for record in rounds:
-                    self.post_message(RoundDone(record, self.session.snapshot()))
+                    if self.rounds.put(record):
+                        self.post_message(RoundsDone())
                     if worker.is_cancelled:
                         break
         except PromptTooLong as e:
@@ -464,26 +472,26 @@ class SpecChatApp(App):
             return f"The conversation could not be saved to {self.conversation.path}: {e}"
         return None
 
-    def on_round_done(self, message: RoundDone) -> None:
-        record = message.record
-        self.snapshot = message.snapshot
-        if self.reply_view is not None:
-            if record.index == 0 and self.reply_view.status:
-                self.reply_view.status = ""  # the earlier messages are read
-            rejected = [self.session.token_text(t) for t in record.rejected]
-            self.reply_view.add_round(record, rejected)
-            if self._reply_timer is None:
-                self._reply_timer = self.set_timer(REPLY_INTERVAL_S, self.redraw_reply)
+    def on_rounds_done(self, message: RoundsDone) -> None:
+        """Rounds are queued: the reply takes them when it redraws (at most one message per redraw)."""
+        if self._reply_timer is None:
+            self._reply_timer = self.set_timer(self.reply_interval, self.redraw_reply)
         if self._panel_timer is None:
-            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, lambda: self.refresh_panel(retake=False))
+            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, self.refresh_panel)
 
     def on_prefill_progress(self, message: PrefillProgress) -> None:
         if self.reply_view is not None and self.generating and message.done < message.total:
             self.reply_view.status = f"reading the prompt: {message.done:,} of {message.total:,} tokens…"
 
     def redraw_reply(self) -> None:
+        """Draw the rounds queued since the last redraw."""
         self._reply_timer = None
+        records = self.rounds.take()
         if self.reply_view is not None:
+            for record in records:
+                if record.index == 0 and self.reply_view.status:
+                    self.reply_view.status = ""  # the earlier messages are read
+                self.reply_view.add_round(record, [self.session.token_text(t) for t in record.rejected])
             self.reply_view.redraw()
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
@@ -511,7 +519,8 @@ class SpecChatApp(App):
         self.send_queued()
 
     def refresh_panel(self, *, retake: bool = True) -> None:
-        """Redraw the panel; `retake` takes a fresh snapshot (after a setting changed, or when idle)."""
+        """Redraw the panel from a fresh snapshot (a moment under the session's lock, at most every PANEL_INTERVAL_S
+        while a reply streams), or from `self.snapshot` as it is (retake False)."""
         if self._panel_timer is not None:
             self._panel_timer.stop()
             self._panel_timer = None

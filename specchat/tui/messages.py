@@ -1,24 +1,45 @@
 """The messages the app's worker threads post to the UI thread.
 
-post_message is thread-safe and never blocks, so the decoder hands each round over and goes on; everything
-a message carries is already computed, so the UI never reads the session's lock.
+post_message is thread-safe and never blocks, so the decoder hands its rounds over and goes on; everything
+a message carries is already computed. (The panel's snapshot holds the session's lock for a moment, on the UI
+thread, at most every few tenths of a second.)
 """
 
 from __future__ import annotations
 
+import threading
+
 from textual.message import Message
 
 from specchat.engine.events import RoundRecord
-from specchat.conversation import Snapshot
 
 
-class RoundDone(Message):
-    """Posted by the generation thread after every round: the round for the reply view, and the session's
-    statistics right after it for the panel."""
+class RoundQueue:
+    """The rounds the generation thread made that the reply has not drawn yet. One RoundsDone is posted until the
+    reply takes them, on its redraw timer: a message per round (hundreds a second in plain decoding) took the UI
+    thread's time, and on a small CPU that time is the decoder's (benchmarks/chat_speed.py)."""
 
-    def __init__(self, record: RoundRecord, snapshot: Snapshot) -> None:
-        super().__init__()
-        self.record, self.snapshot = record, snapshot
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[RoundRecord] = []
+        self._posted = False
+
+    def put(self, record: RoundRecord) -> bool:
+        """Queue a round; True when the caller must post RoundsDone (none is on its way)."""
+        with self._lock:
+            self._records.append(record)
+            post, self._posted = not self._posted, True
+            return post
+
+    def take(self) -> list[RoundRecord]:
+        """Every queued round, oldest first; the next put posts again."""
+        with self._lock:
+            records, self._records, self._posted = self._records, [], False
+            return records
+
+
+class RoundsDone(Message):
+    """Posted by the generation thread when rounds begin to wait in the app's RoundQueue."""
 
 
 class PrefillProgress(Message):

@@ -92,7 +92,7 @@ async def test_reply_streams_round_by_round_in_token_colours():
         assert reply.text == "".join(VOCAB[i] for i in REPLY[:5])
         await wait_for(pilot, lambda: "100%" in panel_text(app))  # this reply's acceptance (redrawn within 0.25 s)
         # each token is drawn in its theme colour
-        content = reply.render()
+        content = reply.content()
         colours = {content.plain[s.start : s.end]: s.style.foreground for s in content.spans}
         assert colours[" The"] == theme_color(app, "accepted")
         assert colours[" jumps"] == theme_color(app, "bonus")
@@ -100,7 +100,7 @@ async def test_reply_streams_round_by_round_in_token_colours():
         session.release(1)
         await wait_for(pilot, lambda: rounds_shown(app) == 2)
         assert [t.kind for t in reply.tokens[5:]] == ["accepted", "accepted", "resampled"]
-        content = reply.render()
+        content = reply.content()
         resampled = next(s for s in content.spans if content.plain[s.start : s.end] == " lazy")
         assert resampled.style.foreground == theme_color(app, "resampled")
         assert resampled.style.bold  # the dark theme marks replacements in bold too
@@ -122,7 +122,7 @@ async def test_plain_tokens_use_the_target_colour_and_the_panel_measures_a_plain
         await wait_for(pilot, lambda: not app.generating)
         reply = app.query_one(ReplyView)
         assert {t.kind for t in reply.tokens} == {"target"}
-        content = reply.render()
+        content = reply.content()
         assert {s.style.foreground for s in content.spans} == {theme_color(app, "target")}
         text = panel_text(app)
         assert "1.00× predicted" in text and "30.0 ms/step" in text  # the fake plain round verifies in 30 ms
@@ -183,10 +183,10 @@ async def test_every_key():
         await pilot.press("ctrl+r")
         assert legend.show_rejected and all(r.show_rejected for r in app.query(ReplyView))
         reply = app.query_one(ReplyView)
-        shown = reply.render().plain
+        shown = reply.content().plain
         assert "".join(VOCAB[i] for i in WRONG[:2]) in shown  # round 1 rejected two drafts
         await pilot.press("ctrl+r")
-        assert not legend.show_rejected and VOCAB[WRONG[0]] not in reply.render().plain
+        assert not legend.show_rejected and VOCAB[WRONG[0]] not in reply.content().plain
 
         await pilot.press("ctrl+l")
         assert isinstance(app.screen, LogScreen)
@@ -336,7 +336,7 @@ async def test_inspector_by_click_and_keyboard():
         await send(pilot, "go")
         await wait_for(pilot, lambda: not app.generating)
         reply = app.query_one(ReplyView)
-        assert await pilot.click(ReplyView, offset=(2, 0))  # " The": padding 1, then the token
+        await pilot.click(ReplyView, offset=(2, 0))  # " The": padding 1, then the token (drawn by the reply's chunk)
         await pilot.pause()
         inspector = app.query_one(Inspector)
         text = plain_text(inspector.content)
@@ -386,7 +386,7 @@ async def test_a_user_theme_is_used_and_colours_the_tokens(tmp_path):
         await send(pilot, "go")
         await wait_for(pilot, lambda: not app.generating)
         assert app.theme == "mine" and not app.notices
-        content = app.query_one(ReplyView).render()
+        content = app.query_one(ReplyView).content()
         assert content.spans[0].style.foreground == Color.parse("#ff00ff")
 
 

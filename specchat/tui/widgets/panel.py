@@ -277,8 +277,8 @@ class StatsPanel(VerticalScroll, can_focus=False):
         lines = len(positions.plain.splitlines())
         self.query_one("#positions", Static).update(positions, layout=lines != self._position_lines)
         self._position_lines = lines
-        self.query_one("#speedup-title", Static).update(
-            f"why auto runs {'plain decoding' if mode in ('off', 'auto') else mode}" if auto else "estimated speedup over plain")
+        self.set_title("#speedup-title", f"why auto runs {'plain decoding' if mode in ('off', 'auto') else mode}" if auto
+                       else "estimated speedup over plain")
         if auto and mode in ("off", "auto"):  # plain decoding's speedup is 1 by definition: say why it runs instead
             self.query_one("#speedup", Static).update(Text(auto_story(snapshot)), layout=False)
             self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending, self.modes), layout=False)
@@ -303,13 +303,19 @@ class StatsPanel(VerticalScroll, can_focus=False):
         self.query_one("#speedup", Static).update(speed, layout=False)
         self.query_one("#modes", Static).update(modes_table(snapshot, unavailable, pending, self.modes), layout=False)
 
+    def set_title(self, selector: str, text: str) -> None:
+        """A section's title, updated only when it changes: an update lays the whole screen out again."""
+        title = self.query_one(selector, Static)
+        if str(title.content) != text:
+            title.update(text)
+
     def show_remote(self, snapshot: Snapshot, pending: str | None) -> None:
         """A serving engine: its configuration, the client's timings and the server's counters; in place of the
         speedup model (which needs draft and verify costs no server sends), the measured ratio to a configuration
         that does not draft, when one has run."""
         mode, stats = snapshot.mode, snapshot.stats
-        self.query_one("#speedup-title", Static).update("measured speedup over plain")
-        self.query_one("#modes-title", Static).update("server configurations")
+        self.set_title("#speedup-title", "measured speedup over plain")
+        self.set_title("#modes-title", "server configurations")
         line = Text.assemble(("server ", "dim"), (mode, "bold"), ("  ", ""), (sampling_text(snapshot), ""),
                              (f"\n{snapshot.server}", "dim"))
         if pending:

@@ -22,11 +22,22 @@ class Span:
     kind: str
     token: int | None  # index into ReplyView.tokens; None for a rejected draft
 
+    @property
+    def ends_line(self) -> bool:
+        """A shown token ending in a newline: where a chunk may end (a rejected draft's newline is drawn as ↵)."""
+        return self.kind != "rejected" and self.text.endswith("\n")
+
+
+# A reply is drawn in chunks of whole lines: the last one grows with each round and re-renders; a chunk closes at the
+# first line end once it holds this many spans, and never re-renders as the reply goes on.
+CHUNK_SPANS = 48
+
 
 class ReplyView(Widget):
     """One assistant reply: spans of (text, kind), each token clickable for the inspector.
 
-    Rounds are appended as they arrive; only this reply re-renders, never the whole conversation.
+    Rounds are appended as they arrive and drawn on the app's timer, only in the reply's last chunk: redrawing a whole
+    long reply on every frame took the CPU the decoder's threads need (benchmarks/chat_speed.py).
     """
 
     COMPONENT_CLASSES = {f"token--{kind}" for kind in KINDS} | {"token--selected", "reply--status"}
@@ -39,9 +50,9 @@ class ReplyView(Widget):
         + token_css("ReplyView")
     )
 
-    show_rejected = reactive(False, layout=True)  # rejected drafts inline (ctrl+r): the height changes
+    show_rejected = reactive(False)  # rejected drafts inline (ctrl+r): every chunk redraws
     selected: reactive[int | None] = reactive(None)  # the token the inspector shows
-    status = reactive("", layout=True)  # why the reply ended early, after its text
+    status = reactive("")  # why the reply ended early, after its text
 
     class Selected(Message):
         def __init__(self, reply: "ReplyView", token: int) -> None:
@@ -50,15 +61,17 @@ class ReplyView(Widget):
 
     def __init__(self, turn: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.auto_links = False  # tokens are clickable, but should not look like links
         self.turn = turn
         self.tokens: list[TokenEvent] = []
         self.spans: list[Span] = []
         self._click: list[Style] = []  # per token: the style that makes it clickable
-        self._parts: list[tuple[str, Style]] = []
-        self._parts_done = 0
-        self._parts_key: tuple | None = None
-        self._height: int | None = None
+
+    def compose(self):
+        yield ReplyChunk(self, 0)
+
+    @property
+    def chunks(self) -> list["ReplyChunk"]:
+        return list(self.query_children(ReplyChunk))
 
     def add_round(self, record: RoundRecord, rejected_texts: list[str]) -> None:
         """Append a round's tokens; its rejected drafts go where the target disagreed (after the accepted ones)."""
@@ -76,45 +89,67 @@ class ReplyView(Widget):
     def replace_rounds(self, rounds: list[RoundRecord]) -> None:
         """Show these rounds instead (a serving engine's steps, relabelled once its final metrics came)."""
         self.tokens, self.spans, self._click = [], [], []
-        self._parts, self._parts_done, self._parts_key = [], 0, None
+        first, *rest = self.chunks
+        for chunk in rest:
+            chunk.remove()
+        first.end = None
         for record in rounds:
             self.add_round(record, [])
         self.redraw()
 
     def redraw(self) -> None:
-        """Redraw after new rounds; a layout pass (costly: the whole screen) only when the height changed."""
-        width = self.content_region.width or self.size.width
-        height = self.render().get_height(self.styles, width) if width > 0 else None
-        grew = height is None or height != self._height
-        self._height = height
-        self.refresh(layout=grew)
+        """Draw the rounds added since the last call: the last chunk redraws (closing at a line end once it is long,
+        a new chunk after it), and a layout pass (costly: the whole screen) runs only where its height changed."""
+        last = self.chunks[-1]
+        if len(self.spans) - last.start >= CHUNK_SPANS:
+            end = next((i + 1 for i in range(len(self.spans) - 1, last.start, -1) if self.spans[i].ends_line), None)
+            if end is not None:
+                last.end = end
+                last.refresh(layout=True)
+                last = ReplyChunk(self, end)
+                self.mount(last)
+        last.redraw()
+
+    def refresh_chunks(self, layout: bool = False) -> None:
+        for chunk in self.chunks:
+            chunk.refresh(layout=layout)
+
+    def watch_show_rejected(self) -> None:
+        self.refresh_chunks(layout=True)
+
+    def watch_selected(self) -> None:
+        self.refresh_chunks()
+
+    def watch_status(self) -> None:
+        chunks = self.chunks
+        if chunks:
+            chunks[-1].refresh(layout=True)
 
     @property
     def text(self) -> str:
         return "".join(t.text for t in self.tokens)
 
-    def render(self) -> Content:
-        """Styled parts are built once per span and kept: a round only converts its own spans.
-
-        They are rebuilt only when what they depend on changes (theme, selection, ctrl+r).
-        """
+    def content(self, start: int = 0, end: int | None = None) -> Content:
+        """Spans [start, end) styled, as a chunk draws them: without the newline a closed chunk ends with (the edge
+        between chunks), and the reply's end (end None) with its status. content() is the whole reply."""
         styles = {kind: Style.from_rich_style(self.get_component_rich_style(f"token--{kind}", partial=True)) for kind in KINDS}
         selected = Style.from_rich_style(self.get_component_rich_style("token--selected", partial=True))
-        key = (tuple(styles.values()), selected, self.selected, self.show_rejected)
-        if key != self._parts_key:
-            self._parts_key, self._parts, self._parts_done = key, [], 0
-        for span in self.spans[self._parts_done :]:
+        parts: list[tuple[str, Style]] = []
+        for span in self.spans[start:end]:
             if span.kind == "rejected":
                 if self.show_rejected and span.text:
-                    self._parts.append((span.text.replace("\n", "↵"), styles["rejected"]))
+                    parts.append((span.text.replace("\n", "↵"), styles["rejected"]))
                 continue
             style = styles[span.kind] + self._click[span.token]
             if span.token == self.selected:
                 style = style + selected
-            self._parts.append((span.text, style))
-        self._parts_done = len(self.spans)
-        parts: list = list(self._parts) or [("…", Style(dim=True))]
-        if self.status:
+            parts.append((span.text, style))
+        if end is not None:
+            text, style = parts[-1]
+            parts[-1] = (text[:-1], style)
+        elif start == 0 and not parts:
+            parts.append(("…", Style(dim=True)))
+        if end is None and self.status:
             status = Style.from_rich_style(self.get_component_rich_style("reply--status", partial=True))
             parts.append((f"  [{self.status}]", status))
         return Content.assemble(*parts)
@@ -123,29 +158,65 @@ class ReplyView(Widget):
         """Per line on screen, (x, token index) of each token drawn there, read from the rendered lines' click
         metadata: wrapping is Textual's, so up/down follow what the user sees."""
         lines = []
-        for strip in self.render_lines(Region(0, 0, self.size.width, self.size.height)):
-            x, line = 0, []
-            for segment in strip:
-                click = (segment.style.meta.get("@click", "") if segment.style else "") or ""
-                if click.startswith("select_token("):
-                    token = int(click[len("select_token("):-1])
-                    if not line or line[-1][1] != token:
+        for chunk in self.chunks:
+            for strip in chunk.render_lines(Region(0, 0, chunk.size.width, chunk.size.height)):
+                x, line = 0, []
+                for segment in strip:
+                    token = clicked_token(segment)
+                    if token is not None and (not line or line[-1][1] != token):
                         line.append((x, token))
-                x += segment.cell_length
-            if line:
-                lines.append(line)
+                    x += segment.cell_length
+                if line:
+                    lines.append(line)
         return lines
 
     def token_row(self, token: int) -> int | None:
-        """The line on screen (from the widget's top) where `token` is drawn."""
-        for row, strip in enumerate(self.render_lines(Region(0, 0, self.size.width, self.size.height))):
-            for segment in strip:
-                if segment.style and (segment.style.meta.get("@click") or "") == f"select_token({token})":
-                    return row
+        """The line on screen (from the reply's top) where `token` is drawn."""
+        top = self.styles.padding.top
+        for chunk in self.chunks:
+            for row, strip in enumerate(chunk.render_lines(Region(0, 0, chunk.size.width, chunk.size.height))):
+                if any(clicked_token(segment) == token for segment in strip):
+                    return top + row
+            top += chunk.size.height
         return None
 
     def action_select_token(self, token: int) -> None:
         self.post_message(self.Selected(self, token))
+
+
+def clicked_token(segment) -> int | None:
+    """The token a rendered segment belongs to, from its click metadata (None: not a token)."""
+    click = (segment.style.meta.get("@click", "") if segment.style else "") or ""
+    return int(click[len("select_token("):-1]) if click.startswith("select_token(") else None
+
+
+class ReplyChunk(Widget):
+    """Spans [start, end) of a reply (end None: the growing last chunk), drawn as one Content. A closed chunk ends at a
+    line end, so its lines are the ones the whole reply would wrap to, and it never redraws as the reply grows."""
+
+    DEFAULT_CSS = "ReplyChunk { height: auto; }"
+
+    def __init__(self, reply: ReplyView, start: int) -> None:
+        super().__init__()
+        self.auto_links = False  # tokens are clickable, but should not look like links
+        self.reply, self.start = reply, start
+        self.end: int | None = None
+        self._height: int | None = None
+
+    def render(self) -> Content:
+        return self.reply.content(self.start, self.end)
+
+    def redraw(self) -> None:
+        """Redraw after new rounds; a layout pass only when the height changed."""
+        width = self.content_region.width or self.size.width
+        height = self.render().get_height(self.styles, width) if width > 0 else None
+        grew = height is None or height != self._height
+        self._height = height
+        self.refresh(layout=grew)
+
+    def action_select_token(self, token: int) -> None:
+        """A click on a token (its segments' metadata name this widget's action)."""
+        self.reply.action_select_token(token)
 
 
 class UserView(Widget):
