@@ -92,10 +92,10 @@ class ReplyView(Widget):
         first, *rest = self.chunks
         for chunk in rest:
             chunk.remove()
-        first.end = None
+        first.end = None  # a finished reply: one chunk holds it
         for record in rounds:
             self.add_round(record, [])
-        self.redraw()
+        first.redraw()
 
     def redraw(self) -> None:
         """Draw the rounds added since the last call: the last chunk redraws (closing at a line end once it is long,
