@@ -3,10 +3,11 @@
     python benchmarks/chat_speed.py [--prompts 4] [--reps 2] [--tokens 256] [-- SPECCHAT OPTIONS...]
 
 Each held-out prompt is answered twice, alternately first: by the chat (`specchat`, in a pseudo-terminal of 160 x 45
-that this script reads as fast as a terminal would, the message typed, ctrl+q once the turn is saved) and by `specchat
-generate`, both greedy in mode off unless the options after `--` say otherwise. Both write the rounds' times (the
-chat's --export, generate's summary): prints each reply's decode tokens/s and the mean verify (forward) ms a round,
-the same tokens or not, and chat over headless. A fresh data folder per run keeps the user's conversations out.
+that this script reads as fast as a terminal would; the message typed once the app says "Ready.", ctrl+q once the
+turn is saved) and by `specchat generate`, both greedy in mode off unless the options after `--` say otherwise. Both
+write the rounds' times (the chat's --export, generate's summary): prints each reply's decode tokens/s, the mean
+verify (forward) ms a round, the share of a core the chat's UI thread took during the reply (/proc, Linux), the same
+tokens or not, and chat over headless. A fresh data folder per run keeps the user's conversations out.
 """
 
 from __future__ import annotations
@@ -131,11 +132,12 @@ def main() -> None:
             ratios.append(speed["chat"] / speed["headless"])
             forward.append(ms["chat"] / ms["headless"])
             uis.append(c["ui"])
-            print(f"prompt {i}: chat {speed['chat']:6.1f} tok/s ({ms['chat']:.2f} ms a forward; UI thread {c['ui']:.0%} of a core), headless "
-                  f"{speed['headless']:6.1f} ({ms['headless']:.2f}); chat/headless {ratios[-1]:.2f}; "
-                  f"same tokens: {c['ids'] == h['ids']}")
+            print(f"prompt {i}: chat {speed['chat']:6.1f} tok/s ({ms['chat']:.2f} ms a forward; UI thread "
+                  f"{c['ui']:.0%} of a core), headless {speed['headless']:6.1f} ({ms['headless']:.2f}); "
+                  f"chat/headless {ratios[-1]:.2f}; same tokens: {c['ids'] == h['ids']}")
     print(f"load {os.getloadavg()[0]:.2f}; chat/headless: median {statistics.median(ratios):.2f} "
-          f"(min {min(ratios):.2f}, max {max(ratios):.2f}); forward chat/headless median {statistics.median(forward):.2f}; UI thread median {statistics.median(uis):.0%} of a core")
+          f"(min {min(ratios):.2f}, max {max(ratios):.2f}); forward chat/headless median "
+          f"{statistics.median(forward):.2f}; UI thread median {statistics.median(uis):.0%} of a core")
 
 
 if __name__ == "__main__":
