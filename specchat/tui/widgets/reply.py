@@ -28,8 +28,8 @@ class Span:
         return self.kind != "rejected" and self.text.endswith("\n")
 
 
-# A reply is drawn in chunks of whole lines: the last one grows with each round and re-renders; a chunk closes at the
-# first line end once it holds this many spans, and never re-renders as the reply goes on.
+# A reply is drawn in chunks of whole lines: the last one grows with each round and re-renders; once it holds this many
+# spans it closes at its last line end (a new chunk after it) and never re-renders as the reply goes on.
 CHUNK_SPANS = 48
 
 
