@@ -8,11 +8,7 @@ import pytest
 from specchat.tui.widgets import ReplyView
 from specchat.tui.widgets.reply import CHUNK_SPANS
 from support.fakes import REPLY, VOCAB, FakeSession
-from test_tui import RecordingApp, send, wait_for
-
-
-def rounds_shown(app) -> int:
-    return app.snapshot.reply.rounds if app.snapshot else 0
+from test_tui import RecordingApp, rounds_shown, send, wait_for
 
 
 @pytest.mark.asyncio
