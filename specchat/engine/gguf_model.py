@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +72,11 @@ class GGUFFile:
         values = self.data[info.offset : info.offset + n * np.dtype(FLOATS[info.type]).itemsize].view(FLOATS[info.type])
         return _tensor(values) if info.type == 0 else torch.from_numpy(values.astype(np.float32))
 
-    def matrix(self, name: str, heads: int | None = None) -> "smallbatch.GGUFWeights | torch.Tensor | None":
+    def matrix(self, name: str, heads: int | None = None, multiplied: bool = True) -> "smallbatch.GGUFWeights | torch.Tensor | None":
         """Matrix [N, D]: its blocks in place (a type gguf_linear takes), a float32 view (F32) or copy (F16), or None
         where the file has none. A llama file's Q/K rows (`heads` given) are put back from llama.cpp's interleaved
-        RoPE order, as transformers' loader does (a copy of those rows)."""
+        RoPE order, as transformers' loader does (a copy of those rows). `multiplied=False`: a matrix only looked up
+        (an embedding beside its own LM head) is not interleaved, so it costs no copy."""
         info = self.header.tensors.get(name)
         if info is None:
             return None
@@ -94,7 +96,7 @@ class GGUFFile:
             w = smallbatch.GGUFWeights(_tensor(self.data[info.offset : info.offset + size].reshape(n, -1)), kind, (n, d))
             if not smallbatch.gguf_usable(w):
                 raise Unreadable(f"the C kernel that multiplies {kind} blocks is not loaded (no C compiler?)")
-            if self.interleaved:
+            if self.interleaved and multiplied:
                 w = _unpermute(w, heads) if heads and self.arch == "llama" else w
                 packed = w.packed()
                 self.release(info.offset, size)  # the kernel reads the copy; an embedding lookup pages rows back in
@@ -208,9 +210,34 @@ def load_runner(path: str | Path, interleaved: bool = True) -> Runner:
             gate_up_w=stacked([file.matrix(at + "ffn_gate.weight"), file.matrix(at + "ffn_up.weight")]), gate_up_b=None,
             down_w=file.matrix(at + "ffn_down.weight"), down_b=None, act=act,
         ))
-    embed = file.matrix("token_embd.weight")
+    embed = file.matrix("token_embd.weight", multiplied=not file.has("output.weight"))
     head = file.matrix("output.weight") if file.has("output.weight") else embed  # tied: the embedding's own blocks
     return Runner.of_weights(rotary_embedding(file, head_dim), embed, file.vector("output_norm.weight"), eps, head, blocks, shape)
+
+
+def draft_runner(runner: Runner) -> Runner:
+    """`runner` for drafting: its LM head read from its embedding where the file holds one matrix twice (a tied model
+    whose output.weight the quantiser kept at a higher precision, as Q4_K_M files do) and the embedding has the fewer
+    bytes to stream. A draft is a model of its own and q what it computed, so the rule stays exact; the target keeps
+    the file's head."""
+    if runner not in _drafts:
+        embed, head = runner.embed_w, runner.head_w
+        lighter = (embed is not head and isinstance(embed, smallbatch.GGUFWeights) and isinstance(head, smallbatch.GGUFWeights)
+                   and embed.shape == head.shape and embed.blocks.numel() < head.blocks.numel() and _same_matrix(embed, head))
+        _drafts[runner] = runner.with_matrices(runner.blocks, embed.packed()) if lighter else None
+    return _drafts[runner] or runner
+
+
+# a runner's draft runner (None: itself), so the embedding is interleaved once; never the key itself (it would live on)
+_drafts: "weakref.WeakKeyDictionary[Runner, Runner | None]" = weakref.WeakKeyDictionary()
+
+
+def _same_matrix(a: "smallbatch.GGUFWeights", b: "smallbatch.GGUFWeights", rows: int = 64) -> bool:
+    """Whether two quantisations hold one matrix: rows spread over it, dequantised, differ by under half their norm
+    (two quantisations of one matrix: a few percent; two different matrices: ~1.4)."""
+    ids = torch.linspace(0, a.shape[0] - 1, min(rows, a.shape[0])).long()
+    x, y = a.rows(ids), b.rows(ids)  # [rows, D] each
+    return bool((x - y).norm() < 0.5 * y.norm())
 
 
 def with_file_blocks(runner: Runner, path: str | Path, interleaved: bool = True) -> Runner:

@@ -55,9 +55,13 @@ def test_a_float32_llama_file_gives_the_torch_model_s_logits(tmp_path):
     assert torch.equal(logits(native, ids), logits(lean_runner(model), ids))
 
 
-def write_k_quant_qwen2(path, *, tied: bool, seed: int = 0) -> None:
+def write_k_quant_qwen2(path, *, tied: bool, seed: int = 0, embed_type: str = "Q8_0", head_again: str | None = None,
+                        embed_scale: float = 1.0) -> None:
     """A tiny Qwen2 (q/k/v biases) whose matrices are random K-quant super-blocks as a Q4_K_M file mixes them: Q and
-    K in Q4_K, V and down in Q6_K, the rest Q4_K; an untied head in Q6_K, or the Q8_0 embedding as the head."""
+    K in Q4_K, V and down in Q6_K, the rest Q4_K; an untied head in Q6_K, or the embedding (`embed_type`) as the head;
+    `head_again`: the embedding's matrix written a second time as output.weight in that type (a tied model as
+    llama.cpp's quantiser writes one, its head at a higher precision); `embed_scale` 0.1: a tied head's next-token
+    distributions spread over several tokens instead of one."""
     rng = np.random.default_rng(seed)
     D, I, H, Hkv, hd, V, layers = 256, 512, 4, 2, 64, 96, 2
     writer = gguf.GGUFWriter(str(path), "qwen2")
@@ -79,8 +83,8 @@ def write_k_quant_qwen2(path, *, tied: bool, seed: int = 0) -> None:
         writer.add_tensor(name, (offset + scale * rng.standard_normal(n)).astype(np.float32))
 
     name = "token_embd.weight"
-    embed = rng.standard_normal((V, D)).astype(np.float32)
-    writer.add_tensor(name, gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    embed = (embed_scale * rng.standard_normal((V, D))).astype(np.float32)
+    writer.add_tensor(name, gguf.quants.quantize(embed, gguf.GGMLQuantizationType[embed_type]), raw_dtype=gguf.GGMLQuantizationType[embed_type])
     for i in range(layers):
         for part, kind, n, d in (("attn_q", "Q4_K", H * hd, D), ("attn_k", "Q4_K", Hkv * hd, D), ("attn_v", "Q6_K", Hkv * hd, D),
                                  ("attn_output", "Q4_K", D, H * hd), ("ffn_gate", "Q4_K", I, D), ("ffn_up", "Q4_K", I, D),
@@ -95,7 +99,10 @@ def write_k_quant_qwen2(path, *, tied: bool, seed: int = 0) -> None:
             vector(D, 0.1, 1.0)
     name = "output_norm.weight"
     vector(D, 0.1, 1.0)
-    if not tied:
+    if head_again:
+        kind = gguf.GGMLQuantizationType[head_again]
+        writer.add_tensor("output.weight", gguf.quants.quantize(embed, kind), raw_dtype=kind)
+    elif not tied:
         name = "output.weight"
         blocks("Q6_K", V, D)
     writer.write_header_to_file()
@@ -314,3 +321,61 @@ def test_sampled_output_on_a_file_read_in_place_follows_its_own_distribution(tmp
     assert isinstance(runner.blocks[0].qkv_w, GGUFStack) and runner.head_w.type == "Q5_0"
     state = TargetState.on_runner(runner, context_len=model.config.max_position_embeddings)
     assert_follows_the_runner(state, runner, model, broken)
+
+
+@pytest.mark.parametrize("embed_type, head, lighter", [
+    ("Q4_0", "Q8_0", True), ("Q8_0", "Q4_0", False), ("Q4_0", "random Q6_K", False), ("Q8_0", "tied", False),
+], ids=["the matrix twice, the embedding smaller", "the matrix twice, the head smaller", "two matrices", "tied"])
+def test_a_draft_reads_its_lm_head_from_the_embedding_where_the_file_holds_that_matrix_twice_in_fewer_bytes(
+        tmp_path, embed_type, head, lighter):
+    """A Q4_K_M file of a tied model holds the embedding twice (token_embd and a higher-precision output.weight): a
+    draft step streams the smaller (Qwen2.5 0.5B: Q5_0 instead of Q8_0); the target keeps the file's head, and an
+    embedding only looked up is not interleaved (no copy). Two different matrices, or a smaller head, change nothing."""
+    from specchat.engine.gguf_model import draft_runner
+
+    again = head.split()[0] if head.startswith("Q") else None
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=head == "tied", embed_type=embed_type, head_again=again)
+    runner = load_runner(tmp_path / "k.gguf")
+    assert runner.head_w.type == {"tied": embed_type, "random Q6_K": "Q6_K"}.get(head, head)
+    assert (runner.embed_w.interleaved is None) == (head != "tied")  # looked up only: the file's blocks, no copy
+    draft = draft_runner(runner)
+    assert draft_runner(runner) is draft  # the embedding interleaved once a runner
+    if not lighter:
+        assert draft is runner
+        return
+    assert draft.head_w.type == embed_type and draft.head_w.interleaved is not None and draft.blocks is runner.blocks
+    ids = [3, 17, 42, 5, 88, 1, 60, 9]
+    target, drafted = logits(runner, ids), logits(draft, ids)
+    assert not torch.equal(target, drafted)  # another model...
+    assert (target - drafted).abs().max() <= 0.1 * target.abs().max()  # ...of one matrix (seen: ~3%)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+@pytest.mark.slow
+def test_a_draft_on_its_embedding_as_head_gives_greedy_tokens_and_follows_the_target_s_distribution(tmp_path, broken):
+    """Mode draft with a file that holds its embedding twice as its own draft (so the draft reads the Q4_0 embedding
+    as its head, the target the Q8_0 output.weight): greedy tokens of plain decoding, with rejections; sampled
+    draws of 4 tokens follow the target's conditionals; the control (a q reported at the wrong temperature) fails."""
+    from types import SimpleNamespace
+
+    from test_gguf_kernel import assert_follows_the_runner
+    from support.exact import run
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True, embed_type="Q4_0", head_again="Q8_0", embed_scale=0.1)
+    runner = load_runner(tmp_path / "k.gguf")
+    target = SimpleNamespace(engine="lean", runner=runner)
+    drafter = build_drafter("draft", target, SimpleNamespace(engine="lean", runner=load_runner(tmp_path / "k.gguf")))
+    assert drafter.lean.head_w.type == "Q4_0" and runner.head_w.type == "Q8_0"
+    if not broken:
+        replies = {}
+        for mode, source in (("off", build_drafter("off", target)), ("draft", drafter)):
+            replies[mode], records = run(None, source, [1, 2, 3], k=3, params=SamplingParams(0.0), max_new_tokens=40,
+                                         state=TargetState.on_runner(runner, None))
+        assert replies["draft"] == replies["off"]
+        kinds = {t.kind for r in records for t in r.tokens}
+        assert {"accepted", "resampled"} <= kinds  # drafts kept and drafts rejected: the two heads differ
+    drafter.reset()
+    assert_follows_the_runner(TargetState.on_runner(runner, None), runner, None, broken, drafter=drafter)

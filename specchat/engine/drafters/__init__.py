@@ -14,7 +14,7 @@ from specchat.engine.drafters.plain import PlainDecoding
 from specchat.engine.drafters.quant import QuantDrafter
 from specchat.engine.drafters.suffix import SuffixDrafter
 from specchat.engine.errors import NOT_ON_LEAN, TORCH_ONLY, ModeUnavailable
-from specchat.engine.gguf_model import on_lean
+from specchat.engine.gguf_model import draft_runner, on_lean
 from specchat.engine.llamacpp import on_llama_cpp
 
 # mode -> drafter class; each has `build(target, draft, **options)`
@@ -54,7 +54,7 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     if mode == "draft" and draft is not None and on_lean(target) != on_lean(draft):
         raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on --engine lean")
     if mode == "draft" and draft is not None and on_lean(draft):  # a GGUF file read in place too
-        return ModelDrafter.on_runner(draft.runner)
+        return ModelDrafter.on_runner(draft_runner(draft.runner))
     if mode == "draft" and draft is not None and on_llama_cpp(draft):
         raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
     if mode == "auto":  # built from the other modes' drafters

@@ -26,7 +26,7 @@ import torch
 from specchat.engine.errors import ModeUnavailable
 from specchat.engine.drafters.layers import Decoder, cache_bytes
 from specchat.engine.drafters.model import ModelDrafter
-from specchat.engine.gguf_model import on_lean
+from specchat.engine.gguf_model import draft_runner, on_lean
 from specchat.engine.runner import lean_runner
 
 
@@ -54,7 +54,7 @@ class LayerSkipDrafter(ModelDrafter):
     def build(cls, target, draft=None, *, skip_layers=None, **options) -> "LayerSkipDrafter":
         if on_lean(target):  # the file's runner itself, the kept layers on a cache of the drafter's own
             runner = target.runner
-            drafter = cls.on_runner(runner)
+            drafter = cls.on_runner(draft_runner(runner))
             drafter.decoder = None
             drafter.set_skip(check_skip(list(builtin_skip(runner.n_layers) if skip_layers is None else skip_layers),
                                         runner.n_layers), runner.n_layers)
