@@ -138,3 +138,31 @@ def test_every_file_the_repository_mentions_exists():
             if not any(c.exists() for c in candidates) and "*" not in ref:
                 missing.append(f"{source.relative_to(ROOT)}: {ref}")
     assert not missing
+
+
+def names_defined(tree: ast.Module) -> set[str]:
+    """What `from module import name` finds in a module: its top-level definitions, assignments and imports."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            out |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return out
+
+
+def test_every_name_the_docs_examples_import_from_specchat_exists():
+    """The README's and docs' Python examples import what the package defines (a reader copies them first)."""
+    trees = modules()
+    missing = []
+    for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        for line in re.findall(r"^from specchat[\w.]* import .*$", doc.read_text(), re.M):  # (sketches aside: not Python)
+            for node in ast.parse(line.split("#")[0]).body:
+                if isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        if node.module not in trees or (alias.name not in names_defined(trees[node.module])
+                                                        and f"{node.module}.{alias.name}" not in trees):
+                            missing.append(f"{doc.relative_to(ROOT)}: from {node.module} import {alias.name}")
+    assert not missing
