@@ -1,3 +1,4 @@
+import gc
 import os
 import tempfile
 
@@ -35,6 +36,14 @@ from specchat.engine import smallbatch  # noqa: E402
 from specchat.store import cache_dir  # noqa: E402
 
 smallbatch.load(cache_dir() / "kernels")
+
+
+@pytest.fixture(autouse=True)
+def unfreeze_after_test():
+    """load_session freezes what is loaded for the process's life (a program loads once); a test process loads
+    many sessions, so each test hands its objects back to the collector."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture

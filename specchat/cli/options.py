@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import os
 import signal
 import sys
@@ -590,6 +591,9 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
     # the device and dtype as chosen (a GGUF on llama.cpp keeps its file's type)
     label = str(dtype).removeprefix("torch.") if session.info.engine == "torch" else session.info.dtype
     session.info = dataclasses.replace(session.info, device=str(device), dtype=label)
+    # torch, transformers and the models are hundreds of thousands of Python objects that live as long as the
+    # process: out of the cyclic collector's reach, its full passes no longer hold the GIL over them mid-reply
+    gc.freeze()
     return session
 
 

@@ -1,5 +1,6 @@
 """The command line through click's CliRunner, on the real default model: every command and every bad input."""
 
+import gc
 import json
 
 import pytest
@@ -48,6 +49,15 @@ def test_generate_raw_plain_mode():
     summary = json.loads(r.stdout.splitlines()[-1])
     assert r.exit_code == 0 and summary["mode"] == "off" and summary["target_calls_per_token"] == 1.0
     assert summary["prompt_tokens"] == 5  # no chat template around it
+
+
+def test_a_loaded_session_is_out_of_the_cyclic_collectors_reach():
+    """options.load_session freezes what it loaded: a full collection would otherwise scan it mid-reply."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    r = invoke("generate", "--prompt", "Hi", "--raw", "--max-new-tokens", 2)
+    assert r.exit_code == 0, r.output
+    assert gc.get_freeze_count() > 100_000  # torch, transformers and the model
 
 
 def test_verify_lookup_drafts_on_its_default_prompt():
