@@ -49,10 +49,12 @@ from specchat.tui.widgets import (Conversation, Inspector, Legend, MarkdownReply
 
 # While a reply streams, the reply and the panel redraw on timers, not per round: a redraw takes the UI
 # thread milliseconds, and at tens of rounds per second that would slow the decoder it measures. Where the
-# forward's threads take every core, the UI thread's time is theirs: the reply redraws less often.
+# forward's threads take every core, the UI thread's time is theirs: the reply and the panel (its tables cost
+# as much to draw as the reply) redraw less often (benchmarks/ui_cost.py).
 REPLY_INTERVAL_S = 0.1
 SHARED_REPLY_INTERVAL_S = 0.3
 PANEL_INTERVAL_S = 0.3
+SHARED_PANEL_INTERVAL_S = 1.0
 K_RANGE = (1, 16)
 WHILE_LOADING = {"help", "show_log", "toggle_panel", "toggle_markdown", "quit"}  # the actions that need no session
 QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -152,7 +154,7 @@ class SpecChatApp(App):
         self.reply_view: ReplyView | None = None
         self.snapshot = None  # what the panel shows: the session's statistics when it was last drawn
         self.rounds = RoundQueue()  # rounds from the generation thread, not drawn yet
-        self.reply_interval = REPLY_INTERVAL_S
+        self.reply_interval, self.panel_interval = REPLY_INTERVAL_S, PANEL_INTERVAL_S
         self.modes: dict[str, str] = session.modes if session is not None else MODES  # name -> what it is, in key order
         self.mode_keys = {mode: key_label(key) for mode, key in mode_keys(self.modes).items()}  # as shown: "F2"
         self.remote = False  # a server runs the models (take_session reads the session's EngineInfo)
@@ -425,6 +427,7 @@ class SpecChatApp(App):
         conversation.anchor()
         spare = self.remote or threads.spare_core()  # (a server decodes elsewhere)
         self.reply_interval = REPLY_INTERVAL_S if spare else SHARED_REPLY_INTERVAL_S
+        self.panel_interval = PANEL_INTERVAL_S if spare else SHARED_PANEL_INTERVAL_S
         self.generating = True
         self.generate_reply(text)
 
@@ -477,7 +480,7 @@ class SpecChatApp(App):
         if self._reply_timer is None:
             self._reply_timer = self.set_timer(self.reply_interval, self.redraw_reply)
         if self._panel_timer is None:
-            self._panel_timer = self.set_timer(PANEL_INTERVAL_S, self.refresh_panel)
+            self._panel_timer = self.set_timer(self.panel_interval, self.refresh_panel)
 
     def on_prefill_progress(self, message: PrefillProgress) -> None:
         if self.reply_view is not None and self.generating and message.done < message.total:
@@ -519,7 +522,7 @@ class SpecChatApp(App):
         self.send_queued()
 
     def refresh_panel(self, *, retake: bool = True) -> None:
-        """Redraw the panel from a fresh snapshot (a moment under the session's lock, at most every PANEL_INTERVAL_S
+        """Redraw the panel from a fresh snapshot (a moment under the session's lock, at most every panel_interval
         while a reply streams), or from `self.snapshot` as it is (retake False)."""
         if self._panel_timer is not None:
             self._panel_timer.stop()

@@ -68,7 +68,7 @@ def auto_story(snapshot: Snapshot) -> str:
 
 
 def ago(seconds: float) -> str:
-    """How old a measurement is, coarsely (the panel redraws every 0.3 s at most)."""
+    """How old a measurement is, coarsely (the panel redraws every 0.3-1 s at most)."""
     if seconds < 60:
         return f"{seconds:.0f} s ago"
     return f"{seconds / 60:.0f} min ago" if seconds < 3600 else f"{seconds / 3600:.1f} h ago"
