@@ -57,3 +57,23 @@ async def test_only_the_last_chunk_renders_as_rounds_arrive_and_the_chunks_draw_
         assert shown == [i for i, t in enumerate(reply.tokens) if t.text.strip()]
         assert reply.token_row(len(reply.tokens) - 1) == len(whole) - 1
         assert reply.text == session.turns[0].reply == "".join(VOCAB[i] for i in REPLY * 20)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("spare", [True, False])
+async def test_where_the_forward_takes_every_core_the_reply_and_the_panel_redraw_less_often(monkeypatch, spare):
+    """The UI thread's time is the decoder's where no core is spare (benchmarks/ui_cost.py): slower timers there."""
+    from specchat import threads
+    from specchat.tui import app as chat
+
+    monkeypatch.setattr(threads, "spare_core", lambda: spare)
+    session = FakeSession(reply=REPLY * 4, gated=True)
+    app = RecordingApp(session)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await send(pilot, "go")
+        await wait_for(pilot, lambda: app.generating)
+        expected = (chat.REPLY_INTERVAL_S, chat.PANEL_INTERVAL_S) if spare else (chat.SHARED_REPLY_INTERVAL_S, chat.SHARED_PANEL_INTERVAL_S)
+        assert (app.reply_interval, app.panel_interval) == expected
+        assert chat.SHARED_REPLY_INTERVAL_S > chat.REPLY_INTERVAL_S and chat.SHARED_PANEL_INTERVAL_S > chat.PANEL_INTERVAL_S
+        session.release(1000)
+        await wait_for(pilot, lambda: not app.generating)
