@@ -7,9 +7,10 @@
 #     export SIMDE=/path/to/simde CC=$PWD/scripts/avx512_emulated_cc.sh
 #     $CC -O3 -march=native -fopenmp -shared -fPIC -o /tmp/emulated.so specchat/engine/kernels/smallbatch.c
 #     HF_HUB_OFFLINE=1 python -m pytest -n 0 tests/engine/test_gguf_kernel.py tests/engine/test_smallbatch.py \
-#         tests/engine/test_row_kernels.py -k "not avx2_path and not without_simd and not tuned_for_amd"
+#         tests/engine/test_row_kernels.py tests/engine/test_lean_engine.py tests/engine/test_gguf_model.py \
+#         -k "not avx2_path and not without_simd and not tuned_for_amd and not without_f16c"
 #
-# (the three tests left out compile the kernel for other CPUs: minutes each, past their timeout.) It compiles a copy of
+# (the four tests left out compile the kernel for other CPUs: minutes each, past their timeout.) It compiles a copy of
 # the source that includes SIMDe with its native aliases and then defines the AVX-512 feature macros, at -O2 (-O3 takes
 # half an hour; -O1 cannot inline the kernel).
 set -euo pipefail
