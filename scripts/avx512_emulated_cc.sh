@@ -12,7 +12,7 @@
 #
 # (the four tests left out compile the kernel for other CPUs: minutes each, past their timeout.) It compiles a copy of
 # the source that includes SIMDe with its native aliases and then defines the AVX-512 feature macros, at -O2 (-O3 takes
-# half an hour; -O1 cannot inline the kernel).
+# tens of minutes; -O1 cannot inline the kernel).
 set -euo pipefail
 : "${SIMDE:?set SIMDE to a SIMDe checkout (the folder that holds simde/)}"
 args=() copy=""
