@@ -1,12 +1,14 @@
 """Mode draft with a fixed K against drafts that stop when the draft's confidence drops (its top probability below
-p_min, llama.cpp's --draft-p-min; AdaptiveK with k_min = k_max = K carries it), on the lean engine.
+p_min, llama.cpp's --draft-p-min; AdaptiveK with k_min = k_max = K carries it) and against K measured
+(`MeasuredK`), on the lean engine.
 
-    python benchmarks/confidence_stop.py [--target FILE.gguf] [--draft FILE.gguf] [--configs k3,k4,k6p0.5]
+    python benchmarks/confidence_stop.py [--target FILE.gguf] [--draft FILE.gguf] [--configs k3,k4,k6p0.5,m4]
         [--temperature 0] [--reps 2] [--tokens 96]
 
-Configurations `kN` (fixed K = N) and `kNpP` (up to N drafts while the top probability is >= P), and plain
-decoding, answer every held-out prompt in turn (the order alternating); prints each one's median decode tokens/s
-over plain decoding's (per prompt and repetition), acceptance, drafts a round, and whether greedy replies matched.
+Configurations `kN` (fixed K = N), `kNpP` (up to N drafts while the top probability is >= P) and `mN` (K measured,
+from N; one MeasuredK for all of the configuration's replies, as a chat session keeps it), and plain decoding,
+answer every held-out prompt in turn (the order alternating); prints each one's median decode tokens/s over plain
+decoding's (per prompt and repetition), acceptance, drafts a round, and whether greedy replies matched.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from specchat.engine.draft_length import MeasuredK  # noqa: E402
 from specchat.engine.loop import AdaptiveK  # noqa: E402
 from specchat.engine.sampling_params import SamplingParams  # noqa: E402
 from specchat.models import load_model  # noqa: E402
@@ -49,8 +52,9 @@ def main() -> None:
     draft = load_model(args.draft, cpu, torch.float32, engine="lean")
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     sampling = SamplingParams(temperature=args.temperature, top_p=0.9) if args.temperature else SamplingParams(0.0)
-    configs = {"off": (0, None)} | {c: (int(m[1]), float(m[2]) if m[2] else None)
-                                    for c in args.configs.split(",") if (m := re.fullmatch(r"k(\d+)(?:p([\d.]+))?", c))}
+    configs = {"off": (0, None)} | {c: (int(m[2]), float(m[3]) if m[3] else None)
+                                    for c in args.configs.split(",") if (m := re.fullmatch(r"([km])(\d+)(?:p([\d.]+))?", c))}
+    measured = {name: MeasuredK(start=configs[name][0], p_min=configs[name][1] or 0.0) for name in configs if name.startswith("m")}
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
     matched = 0
     for rep in range(args.reps):
@@ -60,7 +64,9 @@ def main() -> None:
                 k, p_min = configs[name]
                 session = Session(target, draft, mode="draft" if k else "off", k=k or 4, sampling=sampling, seed=rep,
                                   max_new_tokens=args.tokens, earlier_sessions=False)
-                if p_min is not None:
+                if name in measured:
+                    session.controls.adaptive = measured[name]
+                elif p_min is not None:
                     session.controls.adaptive = AdaptiveK(start=k, k_min=k, k_max=k, p_min=p_min)
                 ids, first = [], None
                 for record in session.reply(prompt):
@@ -75,6 +81,8 @@ def main() -> None:
         ratio = statistics.median(a[0] / b[0] for a, b in zip(results[name], results["off"]))
         print(f"{name:10s} over plain: {ratio:.3f}   acceptance {statistics.median(r[1] for r in results[name]):.2f}   "
               f"drafts a round {statistics.median(r[2] for r in results[name]):.2f}")
+    for name, m in measured.items():
+        print(f"{name}: the K it chose at the end: {m.best}")
     print(f"replies identical to plain decoding's: {matched} of {len(results['off'])}"
           f"{' (greedy)' if not args.temperature else ' (sampled: not expected)'}; load {os.getloadavg()[0]:.2f}")
 

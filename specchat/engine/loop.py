@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 import torch
 
 from specchat.engine.acceptance import EXACT, AcceptRule, Verdict, draw_next
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.events import RoundRecord, TokenEvent
 from specchat.engine.sampling import SamplingParams, Tops, logits_to_probs, top_n, tops_of
@@ -34,6 +35,9 @@ class AdaptiveK:
     def k(self, mode: str) -> int:
         return self.ks.get(mode, self.start)
 
+    def observe(self, record) -> None:
+        self.update(record.mode, record.drafted, record.accepted)
+
     def update(self, mode: str, drafted: int, accepted: int) -> None:
         if drafted:  # a round without drafts (no lookup match, plain mode) says nothing about K
             step = 2 if accepted == drafted else -1
@@ -48,7 +52,7 @@ class Controls:
     k: int = 4
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: AcceptRule = EXACT
-    adaptive: AdaptiveK | None = None  # when set, it chooses K each round instead of `k`
+    adaptive: AdaptiveK | MeasuredK | None = None  # when set, it chooses K each round instead of `k`
     # called every round with (emitted ids, p [K+1, V], q [K, V]): verify's draft-direction test reads the full
     # distributions there; None for everyone else (the loop then spends nothing on it)
     on_probs: Callable[[list[int], torch.Tensor, torch.Tensor], None] | None = None
@@ -158,8 +162,6 @@ def generate(
             token = int(tops.ids[0, 0]) if params.greedy and tops is not None else draw_next(0, q, p, generator, params.greedy)
             verdict = Verdict(0, token, p.new_empty(0))
         n = verdict.accepted
-        if adaptive:
-            adaptive.update(drafter.name, n_drafted, n)
         new = [*draft_list[:n], verdict.next_token]
 
         stop_reason = None
@@ -198,6 +200,8 @@ def generate(
         now = time.perf_counter()
         record.wall_s, t_last = now - t_last, now
         chooser.observe(record)
+        if adaptive:
+            adaptive.observe(record)
         produced += len(new)
         round_index += 1
         yield record

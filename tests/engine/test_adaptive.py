@@ -11,6 +11,7 @@ from specchat.engine.drafters import ModeUnavailable, build_drafter
 from specchat.engine.drafters.model import ModelDrafter
 from specchat.engine.loop import Controls, generate
 from specchat.engine.loop import AdaptiveK
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.sampling import SamplingParams
 from specchat.engine.target import TargetState
 from collections import Counter
@@ -51,22 +52,23 @@ def hf_greedy(model, prompt, n):
     return model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("schedule", [AdaptiveK, MeasuredK])
 @pytest.mark.parametrize("mode", ["draft", "lookup", "quant", "lowrank"])
-def test_adaptive_greedy_matches_hf_generate(deep, tiny_draft, mode):
+def test_adaptive_greedy_matches_hf_generate(deep, tiny_draft, mode, schedule):
     prompt = [3, 1, 4, 1, 5]
     drafter = ModelDrafter(tiny_draft) if mode == "draft" else build_drafter(mode, deep, rank=2, calibration=16)
-    controls = Controls(drafter, k=3, sampling=SamplingParams(0), adaptive=AdaptiveK(start=3, k_max=8))
+    controls = Controls(drafter, k=3, sampling=SamplingParams(0), adaptive=schedule(start=3, k_max=8))
     records = list(generate(TargetState(deep), prompt, controls, max_new_tokens=60, eos_ids=set()))
     assert [t.id for r in records for t in r.tokens] == hf_greedy(deep, prompt, 60)
     if mode != "lookup":
         assert len({r.draft_len for r in records}) > 1  # K really moved
 
 
-def adaptive_draws(target, drafter, *, rule=None, draws=1000, seed=0):
-    """Draws of K_MAX+1 tokens with K chosen by AdaptiveK (one schedule for the whole run, so K moves within a draw
-    and from draw to draw), the first K_MAX+1 tokens tested position by position; and every round's record."""
+def adaptive_draws(target, drafter, *, rule=None, draws=1000, seed=0, schedule=AdaptiveK):
+    """Draws of K_MAX+1 tokens with K chosen by `schedule` (one for the whole run, so K moves within a draw and from
+    draw to draw), the first K_MAX+1 tokens tested position by position; and every round's record."""
     records = []
-    adaptive = AdaptiveK(start=2, k_min=1, k_max=K_MAX)
+    adaptive = schedule(start=2, k_min=1, k_max=K_MAX)
     counts = sample_joint(target, drafter, TOPP, k=2, draws=draws, length=K_MAX + 1, generated=K_MAX + 1, rule=rule, seed=seed,
                           stats=SimpleNamespace(add=records.append), adaptive=adaptive)
     return fit_to_target(target, counts, TOPP, K_MAX + 1), records
@@ -90,6 +92,21 @@ def test_adaptive_sampling_matches_target_distribution(tiny_target, agreeing_dra
     assert len(first_round_k) >= 3 and max(first_round_k) == K_MAX, first_round_k  # K really moved, up to K_MAX
     assert_drafted_up_to(Stats.of(records), K_MAX)
     assert fit.passed(ALPHA), fit
+
+
+@pytest.mark.slow
+def test_measured_k_sampling_matches_target_distribution(tiny_target, agreeing_draft):
+    """K from measured costs: it moves with the timings of earlier rounds, never with this round's draws."""
+    fit, records = adaptive_draws(tiny_target, ModelDrafter(agreeing_draft), schedule=MeasuredK)
+    assert len({r.draft_len for r in records}) >= 3  # K really moved (the choice and its neighbours)
+    assert fit.passed(ALPHA), fit
+
+
+@pytest.mark.slow
+def test_measured_k_distribution_test_catches_a_broken_rule(tiny_target, agreeing_draft):
+    fit, records = adaptive_draws(tiny_target, ModelDrafter(agreeing_draft), rule=ResampleFromP(), schedule=MeasuredK)
+    assert len({r.draft_len for r in records}) >= 3
+    assert fit.p_value < ALPHA / 100, fit
 
 
 @pytest.mark.parametrize("bug", ["resample from p", "q at the wrong temperature from position 3"])

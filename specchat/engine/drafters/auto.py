@@ -25,7 +25,7 @@ so a rate learnt under other load cannot pin a bad choice.
 
 Suffix shadows: suffix is a candidate only where the context has a match, and is measured without running it. In
 rounds other modes run, its drafts are scored against the tokens that follow (the target's, whatever mode ran) at
-the cost of a verify that long (`verify_cost`, from every mode's rounds) plus a lookup; so it runs only where it is
+the cost of a verify that long (`VerifyCosts`, from every mode's rounds) plus a lookup; so it runs only where it is
 fastest, or where no verify as long as its drafts has a cost yet.
 
 Left out: lookup (suffix's special case); layerskip and earlyexit, which draft with nearly the whole target (0.8-0.9
@@ -39,6 +39,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from specchat.engine.draft_length import VerifyCosts
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.errors import ModeUnavailable
 
@@ -229,7 +230,7 @@ class AutoDrafter(Drafter):
         self.caught_up: str | None = None  # the arm whose latest round only caught up (it runs again, counted)
         self.why = "measuring every mode first"
         self.k = 0  # drafts a round asks for (the loop's K, from the latest round)
-        self.verify_s: dict[int, float] = {}  # positions a verify fed -> its seconds (averaged): the same for every arm
+        self.verify = VerifyCosts()  # what a verify costs by its positions: the same for every arm
         self.suffix_draft_s = 0.0  # seconds of a suffix draft (a lookup), averaged over its rounds
         self.shadows: list[Shadow] = []  # suffix drafts of rounds other modes ran, not yet scored
         self.next_position = 0  # len(state.tokens) the next round starts from, if it continues this one
@@ -305,7 +306,7 @@ class AutoDrafter(Drafter):
         # the arms measured by running them: a suffix arm is measured by its shadows, for free, once a verify as long
         # as its drafts has a cost (until then, it runs to measure one)
         suffix = self.candidates.get("suffix")
-        shadowed = suffix is not None and self.verify_cost(suffix.draft_len(self.k) + 1) is not None
+        shadowed = suffix is not None and self.verify.cost(suffix.draft_len(self.k) + 1) is not None
         best = max(eligible, key=lambda a: (rates[a].per_s, a == "off"))
         # an arm whose ceiling is below the leader's rate is not run again: it cannot win, whatever its acceptance
         # (a draft model on llama.cpp, where its round costs ~6 plain steps for 5 tokens at most); it is tried again
@@ -340,25 +341,6 @@ class AutoDrafter(Drafter):
         rounds = 1 + rate.catch_up_s / rate.seconds if rate.seconds > 0 else 1.0
         return min(max(behind * rounds, 1.0), MAX_TRAIL)
 
-    def verify_cost(self, positions: int) -> float | None:
-        """Seconds of a verify of `positions` positions: measured; else on the line through the nearest measured
-        below and above (past the longest measured, through the two longest: a cost that grows less than linearly,
-        as both engines' do, is overestimated there, and never above `positions` one-position verifies, which one
-        slow round of two positions would otherwise multiply); else the nearest above, which bounds it; else None."""
-        costs = self.verify_s
-        if positions in costs:
-            return costs[positions]
-        above = [n for n in sorted(costs) if n > positions]
-        below = [n for n in sorted(costs) if n < positions]
-        if above and below:
-            a, b = below[-1], above[0]
-        elif len(below) >= 2:
-            a, b = below[-2], below[-1]
-        else:
-            return costs[above[0]] if above else None
-        line = costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
-        return min(line, positions * costs[1]) if positions > b and 1 in costs else line
-
     def explain(self, best: str, eligible: list[str]) -> str:
         """The leader's rate against the others', each with its ceiling where that is below the leader's (it cannot
         win: not run again), and where the figures come from."""
@@ -374,7 +356,7 @@ class AutoDrafter(Drafter):
         if record.stop_reason is None:
             self.k = record.draft_len
             if record.drafted or record.index > 0:  # (round 0 without drafts: its token came with the prefill)
-                self.average_verify(record.drafted + 1, record.verify_s)
+                self.verify.add(record.drafted + 1, record.verify_s)
         if record.mode == "suffix" and record.drafted:
             self.suffix_draft_s += (record.draft_s - self.suffix_draft_s) / 8
         self.score_shadows([event.id for event in record.tokens], ended=record.stop_reason is not None)
@@ -414,13 +396,8 @@ class AutoDrafter(Drafter):
     def verify_steps(self) -> float | None:
         """What a verify of a full round (K drafts + 1) costs in plain steps on this machine: the number of tokens
         a round must give to pay; None until both are measured."""
-        plain, verify = self.rates.get("off"), self.verify_cost(self.k + 1) if self.k else None
+        plain, verify = self.rates.get("off"), self.verify.cost(self.k + 1) if self.k else None
         return verify * plain.per_s if verify is not None and plain is not None and plain.per_s > 0 else None
-
-    def average_verify(self, positions: int, seconds: float) -> None:
-        """Fold one verify's seconds into the average for its positions (the first counts whole, then 1/8)."""
-        known = self.verify_s.get(positions)
-        self.verify_s[positions] = seconds if known is None else known + (seconds - known) / 8
 
     def score_shadows(self, emitted: list[int], ended: bool) -> None:
         """Credit each suffix arm with the shadows the tokens emitted so far decide, at the verify cost of their
@@ -429,7 +406,7 @@ class AutoDrafter(Drafter):
         for shadow in self.shadows:
             shadow.seen.extend(emitted)
             tokens = shadow.tokens()
-            cost = self.verify_cost(len(shadow.drafts) + 1)
+            cost = self.verify.cost(len(shadow.drafts) + 1)
             if tokens is not None and cost is not None:
                 shadow.table[shadow.arm].add(tokens, cost + self.suffix_draft_s, self.rounds, most=len(shadow.drafts) + 1)
             elif tokens is None and not ended:

@@ -583,40 +583,14 @@ def test_a_shadow_scores_the_drafts_the_emitted_tokens_match(drafts, seen, token
     assert Shadow("suffix2", {}, drafts, list(seen)).tokens() == tokens
 
 
-def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown():
-    auto = auto_with("head")
-    assert auto.verify_cost(3) is None
-    auto.average_verify(5, 0.05)
-    assert auto.verify_cost(5) == 0.05 and auto.verify_cost(3) == 0.05  # only a longer one known: its cost bounds it
-    assert auto.verify_cost(6) is None  # nothing as long or longer, and one point draws no line
-    auto.average_verify(1, 0.01)
-    assert auto.verify_cost(3) == pytest.approx(0.03)  # 0.01 + (0.05 - 0.01) * 2 / 4
-    assert auto.verify_cost(7) == pytest.approx(0.07)  # the line through 1 and 5, extended
-    auto.average_verify(3, 0.04)
-    assert auto.verify_cost(2) == pytest.approx(0.025) and auto.verify_cost(4) == pytest.approx(0.045)
-    assert auto.verify_cost(9) == pytest.approx(0.07)  # through the two longest, 3 and 5: 0.05 + 0.005 * 4
-    auto.average_verify(1, 0.09)  # averaged: the first counts whole, then each new one 1/8
-    assert auto.verify_s[1] == pytest.approx(0.02)
-
-
-def test_an_extended_verify_cost_is_never_above_that_many_one_position_verifies():
-    """One slow 2-position round (2.6 steps) would price a 5-position verify at 7.4 steps on the line through 1 and 2;
-    five one-position verifies bound it."""
-    auto = auto_with("head")
-    auto.average_verify(1, 0.01)
-    auto.average_verify(2, 0.026)
-    assert auto.verify_cost(5) == pytest.approx(0.05)
-    assert auto.verify_cost(2) == pytest.approx(0.026)  # what was measured stays as measured
-
-
 def test_every_round_but_a_cut_or_a_prefills_feeds_the_verify_cost_of_its_positions_and_sets_k():
     auto = auto_with("head")
     auto.observe(record("off", drafted=0, index=0, verify_s=0.001, draft_len=4))  # the prefill's token: no verify
-    assert auto.verify_s == {} and auto.k == 4
+    assert auto.verify.seconds == {} and auto.k == 4
     auto.observe(record("off", drafted=0, index=1, verify_s=0.01, draft_len=6))
     auto.observe(record("head", drafted=3, verify_s=0.04, draft_len=6))
     auto.observe(record("head", drafted=2, verify_s=0.5, stop="eos", draft_len=2))  # a cut round: K was cut too
-    assert auto.verify_s == {1: 0.01, 4: 0.04} and auto.k == 6
+    assert auto.verify.seconds == {1: 0.01, 4: 0.04} and auto.k == 6
 
 
 def test_a_matched_suffix_arm_is_measured_by_shadows_in_rounds_another_mode_runs():
@@ -625,7 +599,7 @@ def test_a_matched_suffix_arm_is_measured_by_shadows_in_rounds_another_mode_runs
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
     auto.k, auto.next_position, auto.suffix_draft_s = 4, 3, 0.001
-    auto.verify_s = {1: 0.01, 5: 0.05}
+    auto.verify.seconds = {1: 0.01, 5: 0.05}
     suffix.scripted = [7, 8]
     tokens = [1, 2, 3]
     assert auto.for_round(SimpleNamespace(tokens=tokens, head=None), GREEDY).name == "off"  # no forced suffix round: it has a cost
@@ -644,9 +618,9 @@ def test_a_matched_suffix_arm_is_measured_by_shadows_in_rounds_another_mode_runs
 def test_without_a_cost_for_k_plus_one_positions_a_suffix_arm_is_run_to_measure_it():
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
-    auto.k, auto.verify_s = 4, {1: 0.01}
+    auto.k, auto.verify.seconds = 4, {1: 0.01}
     assert auto.choose([1, 2, 3]) == ("suffix2", "measuring every mode first")
-    auto.verify_s[3] = 0.03  # its round: now 5 positions are on the line through 1 and 3
+    auto.verify.seconds[3] = 0.03  # its round: now 5 positions are on the line through 1 and 3
     assert auto.choose([1, 2, 3])[0] == "off"
 
 
@@ -656,10 +630,10 @@ def test_shadows_ask_for_and_are_priced_at_the_suffix_drafters_own_draft_length(
     suffix = Suffix(6, drafts=(7, 8, 9, 10, 11, 12, 13))
     suffix.draft_len = lambda k: max(k, 6)
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
-    auto.k, auto.next_position, auto.verify_s = 2, 3, {3: 0.03}
+    auto.k, auto.next_position, auto.verify.seconds = 2, 3, {3: 0.03}
     assert auto.choose([1, 2, 3]) == ("suffix≥6", "measuring every mode first")  # v(7) unknown: it runs
-    auto.verify_s[1] = 0.01
-    assert auto.verify_cost(7) == pytest.approx(0.07)
+    auto.verify.seconds[1] = 0.01
+    assert auto.verify.cost(7) == pytest.approx(0.07)
     assert auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), GREEDY).name == "off"
     assert [s.drafts for s in auto.shadows] == [[7, 8, 9, 10, 11, 12]]
 
@@ -667,7 +641,7 @@ def test_shadows_ask_for_and_are_priced_at_the_suffix_drafters_own_draft_length(
 def test_shadows_are_dropped_at_a_new_prompt_a_reset_and_undecided_at_a_replys_end():
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
-    auto.k, auto.verify_s, auto.next_position = 4, {1: 0.01, 5: 0.05}, 3
+    auto.k, auto.verify.seconds, auto.next_position = 4, {1: 0.01, 5: 0.05}, 3
     auto.for_round(SimpleNamespace(tokens=[1, 2, 3], head=None), GREEDY)
     auto.observe(record("off", drafted=0, tokens=[7], stop="eos"))  # 8 never judged: dropped, not scored
     assert auto.shadows == [] and auto.rates["suffix2"].rounds == 0
@@ -687,7 +661,7 @@ def test_shadows_are_dropped_at_a_new_prompt_a_reset_and_undecided_at_a_replys_e
 def test_no_shadow_where_suffix_runs_has_no_match_or_k_is_unknown():
     suffix = Suffix(2, drafts=(7, 8))
     auto = settled(auto_with("head", suffix=suffix), off=100.0, head=50.0)
-    auto.verify_s = {1: 0.01, 5: 0.05}
+    auto.verify.seconds = {1: 0.01, 5: 0.05}
     auto.for_round(SimpleNamespace(tokens=[1], head=None), GREEDY)
     assert auto.shadows == []  # K not known yet (no round observed)
     auto.k = 4

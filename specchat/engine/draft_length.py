@@ -1,0 +1,140 @@
+"""The draft length K, measured: each round, per mode, the K that maximises expected tokens per second of engine time,
+
+    E[tokens | K] / (K c + v(K + 1)),    E[tokens | K] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_K
+
+(Leviathan et al. 2023, section 3.5, with a per-position a_i), where a_i is how often draft i was accepted when drafts
+1..i-1 were, c a draft token's seconds and v(n) a verify of n positions' seconds, all from this mode's recent rounds.
+
+Why: the best K is a property of the pair and the machine, not of the method. The same draft model pays at K=3 and
+loses at K=4 on one CPU (a verify of 5 positions costs ~2 plain steps there) where another verifies 5 positions for
+~1.3 steps; a fixed K is right on at most one of them. K depends only on earlier rounds, never on this round's draws,
+and every round runs the exact rule, so the output follows the target's distribution whatever K is chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WINDOW = 32  # rounds a mode's estimates average over (exponential weights): acceptance moves with the text
+MIN_ROUNDS = 4  # a mode's rounds at its starting K before K moves
+EXPLORE_EVERY = 6  # every this many rounds of a mode, the best K's neighbour runs (above, then below): their costs stay measured
+PRIOR = 1.0  # rounds a_i's prior weighs: a_1's is 0.5, a_i's the estimate of a_(i-1) (so an untried position is as likely as the last)
+
+
+class VerifyCosts:
+    """Seconds of a verify by the positions it fed, averaged: the same target forward whichever mode drafted."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}  # positions -> seconds (the first counts whole, then 1/8)
+
+    def add(self, positions: int, seconds: float) -> None:
+        known = self.seconds.get(positions)
+        self.seconds[positions] = seconds if known is None else known + (seconds - known) / 8
+
+    def cost(self, positions: int) -> float | None:
+        """Measured; else on the line through the nearest measured below and above (past the longest measured,
+        through the two longest: a cost that grows less than linearly, as both engines' do, is overestimated there,
+        and never above `positions` one-position verifies, which one slow round of two positions would otherwise
+        multiply); else the nearest above, which bounds it; else None."""
+        costs = self.seconds
+        if positions in costs:
+            return costs[positions]
+        above = [n for n in sorted(costs) if n > positions]
+        below = [n for n in sorted(costs) if n < positions]
+        if above and below:
+            a, b = below[-1], above[0]
+        elif len(below) >= 2:
+            a, b = below[-2], below[-1]
+        else:
+            return costs[above[0]] if above else None
+        line = costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
+        return min(line, positions * costs[1]) if positions > b and 1 in costs else line
+
+
+@dataclass
+class ModeRounds:
+    """One mode's recent rounds, exponentially weighted."""
+
+    reached: list[float]  # [k_max] rounds in which draft i was judged with drafts 1..i-1 accepted
+    accepted: list[float]  # [k_max] ... and draft i accepted too
+    draft_s: float = 0.0  # seconds of drafting
+    drafts: float = 0.0  # drafts those seconds made
+    rounds: int = 0  # rounds seen (unweighted)
+    verify: VerifyCosts = field(default_factory=VerifyCosts)
+
+    def acceptance(self) -> list[float]:
+        """a_1..a_kmax, each shrunk toward the one before it by PRIOR rounds."""
+        out, prior = [], 0.5
+        for reached, accepted in zip(self.reached, self.accepted):
+            prior = (accepted + PRIOR * prior) / (reached + PRIOR)
+            out.append(prior)
+        return out
+
+
+class MeasuredK:
+    """K per mode by measured cost (above); the loop asks `k(mode)` before a round and hands it the round after.
+
+    A mode starts at `start` (the user's -k) and moves once MIN_ROUNDS rounds have measured it; every EXPLORE_EVERY
+    rounds it runs a neighbour of its best K, so the verify costs on either side stay measured and the line through
+    them can move the choice further. `p_min` > 0 also stops a model draft when its top probability falls below it.
+    """
+
+    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 12, p_min: float = 0.0) -> None:
+        self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
+        self.modes: dict[str, ModeRounds] = {}
+        self.best: dict[str, int] = {}  # mode -> the K the model chose last (what the panel shows as its K)
+        self.explored: dict[str, int] = {}  # mode -> how many neighbours it has run (odd: the next is below)
+        self.last_mode: str | None = None  # the mode of the latest round observed
+
+    def _rounds(self, mode: str) -> ModeRounds:
+        if mode not in self.modes:
+            self.modes[mode] = ModeRounds([0.0] * self.k_max, [0.0] * self.k_max)
+        return self.modes[mode]
+
+    def k(self, mode: str) -> int:
+        stats = self._rounds(mode)
+        if stats.rounds < MIN_ROUNDS:
+            return self.start
+        best = self.best[mode] = self.choose(mode)
+        if stats.rounds % EXPLORE_EVERY:
+            return best
+        turn = self.explored[mode] = self.explored.get(mode, 0) + 1
+        neighbour = best + 1 if turn % 2 else best - 1
+        return neighbour if self.k_min <= neighbour <= self.k_max else best
+
+    def choose(self, mode: str) -> int:
+        """The K with the most expected tokens per second among those whose verify has a cost; the start K until the
+        mode has drafted."""
+        stats = self._rounds(mode)
+        if stats.drafts <= 0:
+            return self.start
+        c, alphas = stats.draft_s / stats.drafts, stats.acceptance()
+        best, best_rate, tokens, chain = self.start, -1.0, 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            chain *= alphas[k - 1]
+            tokens += chain
+            v = stats.verify.cost(k + 1)
+            if k >= self.k_min and v is not None and (rate := tokens / (k * c + v)) > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, record) -> None:
+        """Fold a finished round in: which drafts were accepted, what drafting and the verify cost. A reply's last
+        round (cut at EOS or the budget) is left out; so is the draft time of a reply's first round and of a mode's
+        first round after another's, which include feeding the draft what it missed (a prompt, other modes' tokens)."""
+        switched, self.last_mode = record.mode != self.last_mode, record.mode
+        if not record.drafted or record.stop_reason is not None:  # no drafts (no match, plain decoding): nothing about K
+            return
+        stats = self._rounds(record.mode)
+        keep = 1.0 - 1.0 / WINDOW
+        for i in range(self.k_max):
+            stats.reached[i] *= keep
+            stats.accepted[i] *= keep
+        for i in range(min(record.drafted, record.accepted + 1, self.k_max)):
+            stats.reached[i] += 1.0
+            stats.accepted[i] += 1.0 if i < record.accepted else 0.0
+        if record.index > 0 and not switched:
+            stats.draft_s = keep * stats.draft_s + record.draft_s
+            stats.drafts = keep * stats.drafts + record.drafted
+        stats.verify.add(record.drafted + 1, record.verify_s)
+        stats.rounds += 1

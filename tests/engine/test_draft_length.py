@@ -1,0 +1,117 @@
+"""MeasuredK: the draft length that maximises expected tokens per second, from measured acceptance and costs; the
+verify costs it and mode auto share. (Exactness under a moving K: tests/engine/test_adaptive.py.)"""
+
+import random
+
+import pytest
+
+from specchat.engine.draft_length import MIN_ROUNDS, MeasuredK, ModeRounds, VerifyCosts
+from specchat.engine.events import RoundRecord
+
+
+def record(mode="draft", *, drafted, accepted, draft_s=0.0, verify_s=0.0, index=1, stop=None):
+    return RoundRecord(index, mode, drafted, drafted, accepted, drafted, draft_s, verify_s, stop_reason=stop)
+
+
+def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown():
+    costs = VerifyCosts()
+    assert costs.cost(3) is None
+    costs.add(5, 0.05)
+    assert costs.cost(5) == 0.05 and costs.cost(3) == 0.05  # only a longer one known: its cost bounds it
+    assert costs.cost(6) is None  # nothing as long or longer, and one point draws no line
+    costs.add(1, 0.01)
+    assert costs.cost(3) == pytest.approx(0.03)  # 0.01 + (0.05 - 0.01) * 2 / 4
+    assert costs.cost(7) == pytest.approx(0.07)  # the line through 1 and 5, extended
+    costs.add(3, 0.04)
+    assert costs.cost(2) == pytest.approx(0.025) and costs.cost(4) == pytest.approx(0.045)
+    assert costs.cost(9) == pytest.approx(0.07)  # through the two longest, 3 and 5: 0.05 + 0.005 * 4
+    costs.add(1, 0.09)  # averaged: the first counts whole, then each new one 1/8
+    assert costs.seconds[1] == pytest.approx(0.02)
+
+
+def test_an_extended_verify_cost_is_never_above_that_many_one_position_verifies():
+    """One slow 2-position round (2.6 steps) would price a 5-position verify at 7.4 steps on the line through 1 and 2;
+    five one-position verifies bound it."""
+    costs = VerifyCosts()
+    costs.add(1, 0.01)
+    costs.add(2, 0.026)
+    assert costs.cost(5) == pytest.approx(0.05)
+    assert costs.cost(2) == pytest.approx(0.026)  # what was measured stays as measured
+
+
+def measured(alpha: float, c: float, verify, k_max: int = 12) -> MeasuredK:
+    """A MeasuredK whose mode "draft" saw acceptance alpha at every position (1000 rounds each: the prior is
+    negligible), c seconds a draft and verify(n) seconds a verify of n positions for n = 1..k_max + 1."""
+    m = MeasuredK(start=2, k_max=k_max)
+    m.modes["draft"] = stats = ModeRounds([1000.0] * k_max, [1000.0 * alpha] * k_max, draft_s=100 * c, drafts=100, rounds=MIN_ROUNDS)
+    for n in range(1, k_max + 2):
+        stats.verify.add(n, verify(n))
+    return m
+
+
+def test_the_choice_is_the_k_with_the_most_expected_tokens_per_second():
+    # alpha 0.9, a draft 0.1 of a step, a verify 1 + 0.25 a position: E / cost = 1.41, 1.59, 1.68, 1.706, 1.704, 1.68
+    # at K = 1..6 (E = 1.9, 2.71, 3.44, 4.10, 4.69, 5.22; cost = 1.35, 1.7, 2.05, 2.4, 2.75, 3.1)
+    assert measured(0.9, 0.1, lambda n: 1 + 0.25 * (n - 1)).choose("draft") == 4
+    # drafts free and a verify as cheap as a step whatever its length: the longest K pays most
+    assert measured(0.9, 0.0, lambda n: 1.0).choose("draft") == 12
+    # a verify that costs a step per position gains nothing from drafts: the shortest
+    assert measured(0.9, 0.05, lambda n: float(n)).choose("draft") == 1
+    # the same pair where a verify costs twice as much a position (another CPU): a shorter K
+    assert measured(0.9, 0.1, lambda n: 1 + 0.5 * (n - 1)).choose("draft") == 2  # 1.9 / 1.6, 2.71 / 2.2, 3.44 / 2.8
+
+
+def test_k_starts_at_start_then_follows_the_choice_with_a_neighbour_every_explore_rounds():
+    m = MeasuredK(start=3, k_max=8)
+    assert m.k("draft") == 3 and m.k("head") == 3
+    ks = []
+    for i in range(60):
+        k = m.k("draft")
+        ks.append(k)
+        # every draft accepted, drafts free, a verify as cheap as a step: the longest K wins once measured
+        m.observe(record(drafted=k, accepted=k, draft_s=0.0, verify_s=1.0))
+    assert ks[:MIN_ROUNDS] == [3] * MIN_ROUNDS
+    assert ks[-1] == 8 and m.best["draft"] == 8  # it walked up to k_max through the neighbours it measured
+    assert m.k("head") == 3  # per mode
+
+
+def test_the_chosen_k_converges_on_simulated_rounds():
+    """Rounds drawn from a pair with acceptance 0.9 at every position, costs as in the first case above: from K=2, the
+    choice settles where expected tokens per second is highest (4, with 5 within 0.2%)."""
+    rng = random.Random(0)
+    m = MeasuredK(start=2, k_max=10)
+    for _ in range(400):
+        k = m.k("draft")
+        accepted = next((i for i in range(k) if rng.random() >= 0.9), k)
+        m.observe(record(drafted=k, accepted=accepted, draft_s=0.1 * k, verify_s=1 + 0.25 * k))
+    assert m.best["draft"] in (4, 5)
+    # the same pair where a verify costs twice as much a position
+    m = MeasuredK(start=5, k_max=10)
+    for _ in range(400):
+        k = m.k("draft")
+        accepted = next((i for i in range(k) if rng.random() >= 0.9), k)
+        m.observe(record(drafted=k, accepted=accepted, draft_s=0.1 * k, verify_s=1 + 0.5 * k))
+    assert m.best["draft"] in (2, 3)
+
+
+def test_acceptance_counts_each_position_reached_and_a_cut_round_nothing():
+    m = MeasuredK(start=4, k_max=4)
+    m.observe(record(drafted=4, accepted=1))  # draft 1 accepted, draft 2 rejected: 3 and 4 were never judged
+    stats = m.modes["draft"]
+    assert stats.reached == [1.0, 1.0, 0.0, 0.0] and stats.accepted == [1.0, 0.0, 0.0, 0.0]
+    m.observe(record(drafted=4, accepted=4, stop="eos"))  # the reply's last round: cut, left out
+    m.observe(record(drafted=0, accepted=0))  # no drafts: nothing about K
+    assert stats.rounds == 1 and stats.reached == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_draft_time_that_includes_catching_up_is_left_out():
+    """A reply's first round and a mode's first round after another mode's feed the draft what it missed."""
+    m = MeasuredK()
+    m.observe(record(drafted=2, accepted=2, draft_s=5.0, index=0))  # a reply's first round
+    m.observe(record(drafted=2, accepted=2, draft_s=0.2))
+    m.observe(record("off", drafted=0, accepted=0))
+    m.observe(record(drafted=2, accepted=2, draft_s=3.0))  # back from another mode
+    m.observe(record(drafted=2, accepted=2, draft_s=0.2))
+    stats = m.modes["draft"]
+    assert stats.draft_s / stats.drafts == pytest.approx(0.1)
+    assert stats.rounds == 4  # their acceptance and verify still count
