@@ -5,7 +5,7 @@ One process, every configuration interleaved per prompt and repetition, greedy u
 
     python benchmarks/engines.py [--target FILE.gguf] [--draft FILE.gguf] [--prompts benchmarks/heldout-prompts.jsonl]
         [--tokens 64] [--reps 3] [--threads N] [--temperature 0,0.7] [--no-torch | --torch-modes off,quant,auto]
-        [--lean-modes off,auto,draft]
+        [--lean-modes off,auto,draft] [--measured-k]
         [--llama-bench PATH] [--llama-speculative PATH]
 
 "llama.cpp plain" is the reference every ratio is taken against: a Python loop that feeds one token per llama_decode
@@ -16,7 +16,8 @@ average is printed before and after: on the 2-core machine a busy neighbour halv
 are compared token for token with llama.cpp plain (a prompt prefilled whole) and with specchat's mode off on
 llama.cpp (which, like every session here, reuses the cached prefix of the previous prompt: a prefill split
 differently rounds differently, so only the second comparison isolates what speculation changes); the lean engine's
-modes are compared with its own mode off (another model: its kernel rounds as llama.cpp's does not).
+modes are compared with its own mode off (another model: its kernel rounds as llama.cpp's does not). Sessions run
+with a fixed K (--k); --measured-k adds each lean mode with K measured (MeasuredK, -k auto, as the chat runs).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from specchat.engine.draft_length import MeasuredK  # noqa: E402
 from specchat.engine.sampling import SamplingParams  # noqa: E402
 from specchat.models import default_gguf, load_model  # noqa: E402
 from specchat.session import Session  # noqa: E402
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="leave out specchat on the torch engine")
     ap.add_argument("--torch-modes", default="off", help="the modes specchat runs on the torch engine too (greedy)")
     ap.add_argument("--lean-modes", default="", help="the modes specchat runs on the lean engine too (every temperature)")
+    ap.add_argument("--measured-k", action="store_true", help="each lean mode also with K measured (-k auto, from --k)")
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
     ap.add_argument("--llama-speculative", default=None, help="path of llama.cpp's llama-speculative binary (needs --draft)")
     args = ap.parse_args()
@@ -133,6 +136,9 @@ def main() -> None:
                 if mode == "draft" and lean_draft is None:
                     continue
                 sessions[f"lean {mode} T={t:g}"] = Session(lean_target, lean_draft, mode=mode, sampling=params, **fresh)
+                if args.measured_k and mode != "off":
+                    measured = sessions[f"lean {mode} K=auto T={t:g}"] = Session(lean_target, lean_draft, mode=mode, sampling=params, **fresh)
+                    measured.controls.adaptive = MeasuredK(start=args.k)  # one for all its replies, as a chat keeps it
         if not args.no_torch and t == 0:
             torch_target = load_model(args.target, cpu, torch.float32)
             for mode in args.torch_modes.split(","):

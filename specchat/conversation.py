@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, runtime_checkable
 
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.events import RoundRecord
 from specchat.engine.info import EngineInfo
 from specchat.engine.metrics import Baseline, SpeedupModel, Stats, speedup_model
@@ -41,13 +42,14 @@ class Snapshot:
     """A consistent copy of what the front ends show (panel, export, summaries), taken under the session's lock."""
 
     mode: str
-    k: int
+    k: int  # measured: what it chose for the mode running (auto's choice), the start before it has
     sampling: SamplingParams
     rule: str  # "exact" or "approx:<lambda>"
     exact: bool  # the current rule's
     stats: dict[str, Stats]  # per mode, this session
     reply: Stats  # the latest turn
     recent: list[float]  # acceptance (accepted / drafted) of the latest drafting rounds, oldest first
+    k_measured: bool = False  # -k auto: K is chosen each round from measured costs
     baseline: Baseline | None = None  # plain decoding as the latest plain rounds measured it
     max_draft: int | None = None  # the current drafter drafts at most this many per round, whatever K (mode head's file)
     draft_len: int | None = None  # it asks for this many where its match allows, K or more (mode suffix)
@@ -223,9 +225,12 @@ class Conversation:
         with self.lock:
             controls, drafter = self.controls, self.mode_drafter
             latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
+            measured = controls.adaptive if isinstance(controls.adaptive, MeasuredK) else None
+            running = getattr(drafter, "choice", None) or controls.mode
             return Snapshot(
                 mode=controls.mode,
-                k=controls.k,
+                k=measured.best.get(running, controls.k) if measured else controls.k,
+                k_measured=measured is not None,
                 sampling=controls.sampling,
                 rule=controls.rule.name,
                 exact=controls.rule.exact,

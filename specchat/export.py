@@ -88,7 +88,7 @@ def session_data(session) -> dict:
         "hardware": client_info() if info.remote else hardware_info(info.device, info.dtype),
         "server": asdict(info.server) if info.remote else None,
         "mode": snapshot.mode,  # the mode selected at export time; what ran is rounds_by_mode
-        "draft_len": snapshot.k,
+        "draft_len": "auto" if snapshot.k_measured else snapshot.k,  # what each round asked for: draft_lengths
         "sampling": asdict(snapshot.sampling),
         "acceptance_rule": snapshot.rule,
         "exact": all(r.exact for r in all_rounds) if all_rounds else snapshot.exact,

@@ -28,7 +28,7 @@ class Chat(Conversation):
 
     def __init__(self, mode="auto", drafter=None, extra=None):
         super().__init__(max_new_tokens=64)
-        self.controls = SimpleNamespace(mode=mode, k=4, sampling=SamplingParams(temperature=0.0),
+        self.controls = SimpleNamespace(mode=mode, k=4, adaptive=None, sampling=SamplingParams(temperature=0.0),
                                         rule=SimpleNamespace(name="exact", exact=True),
                                         drafter=drafter or SimpleNamespace(name=mode))
         self.extra = extra or {}

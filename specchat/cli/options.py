@@ -109,7 +109,8 @@ class Defaults:
     them) and, for a setting it has no option for, the value its Options take."""
 
     mode: str | None = None  # None: draft with --draft, else off
-    draft_lens: tuple[int, ...] = (4,)  # K: a session's is the first; bench measures each
+    draft_lens: tuple[int, ...] = (4,)  # K: a session's is the first (where K is measured, where it starts); bench measures each
+    measured_k: bool = False  # -k's default is auto: K chosen each round from measured costs (engine.draft_length)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -123,8 +124,8 @@ class Defaults:
 # Each command's defaults, the one place they are set. The chat samples, as chat apps do (Ollama, LM Studio):
 # greedy decoding makes a small model loop ("a mystic realm," fifteen times on the default model); exact either way.
 DEFAULTS = {
-    "chat": Defaults(mode="auto", temperature=0.7, top_p=0.9),  # auto: each round the mode measured fastest
-    "generate": Defaults(),
+    "chat": Defaults(mode="auto", temperature=0.7, top_p=0.9, measured_k=True),  # auto: each round the mode measured fastest
+    "generate": Defaults(measured_k=True),
     "verify": Defaults(temperature=1.0, sampled_only=True),
     "bench": Defaults(draft_lens=(2, 4, 8), seed=0, max_new_tokens=128),
     # these score and train with torch's view of the target's layers, greedily
@@ -214,12 +215,13 @@ class Options:
     command: str
     models: ModelOptions
     mode: str  # resolved: the command's default, else draft with --draft, else off
-    draft_len: int
+    draft_len: int  # K, or where it starts when measured
     sampling: SamplingParams
     seed: int | None
     max_new_tokens: int
     settings: ModeSettings = ModeSettings()
     adaptive: bool = False
+    measured_k: bool = False  # -k auto
     accept_rule: str = "exact"  # parsed by the engine (acceptance.parse_rule, which needs torch) when loading
     system: str | None = None
     servers: tuple[tuple[str | None, str], ...] = ()  # --server as (name or None, url)
@@ -238,16 +240,18 @@ class Options:
         if temperature == 0 and defaults.sampled_only:
             temperature = defaults.temperature
         sampling = SamplingParams(temperature, params.get("top_k", defaults.top_k), params.get("top_p", defaults.top_p))
+        draft_len = params.get("draft_len", "auto" if defaults.measured_k else defaults.draft_lens[0])
         return cls(
             command=command,
             models=models,
             mode=params.get("mode") or defaults.mode or ("draft" if models.draft else "off"),
-            draft_len=params.get("draft_len", defaults.draft_lens[0]),
+            draft_len=defaults.draft_lens[0] if draft_len == "auto" else draft_len,
             sampling=sampling,
             seed=params.get("seed", defaults.seed),
             max_new_tokens=params.get("max_new_tokens", defaults.max_new_tokens),
             settings=ModeSettings.parse(params),
             adaptive=params.get("adaptive", False),
+            measured_k=draft_len == "auto",
             accept_rule=params.get("accept_rule", "exact"),
             system=params.get("system"),
             servers=parse_servers(params.get("servers", ())),
@@ -334,6 +338,22 @@ def mode_setting_options(f):
     ], f)
 
 
+class DraftLength(click.ParamType):
+    """-k: a positive integer, or auto (K measured each round)."""
+
+    name = "K|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or (isinstance(value, int) and value >= 1):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        self.fail(f"{value!r} is not a positive integer or auto", param, ctx)
+
+
+DRAFT_LEN = DraftLength()
+
+
 def generation_options(command: str):
     """Decoding settings shared by the chat and the headless commands, with `command`'s defaults (DEFAULTS)."""
     d = DEFAULTS[command]
@@ -341,7 +361,8 @@ def generation_options(command: str):
     greedy = f"0 is taken as {d.temperature:g}: greedy output has no distribution to test." if d.sampled_only else "0 is greedy."
     return lambda f: apply([
         click.option("--mode", type=click.Choice(list(MODES)), default=d.mode, show_default=bool(d.mode), help=mode),
-        click.option("-k", "--draft-len", type=click.IntRange(min=1), default=d.draft_lens[0], show_default=True, help="Draft tokens per round (K)."),
+        click.option("-k", "--draft-len", type=DRAFT_LEN, default="auto" if d.measured_k else d.draft_lens[0], show_default=True,
+                     help=f"Draft tokens per round (K), or auto: per mode, the K with the most tokens per second as measured (from {d.draft_lens[0]})."),
         click.option("--temperature", type=click.FloatRange(min=0), default=d.temperature, show_default=True, help=greedy),
         click.option("--top-k", type=click.IntRange(min=0), default=d.top_k, show_default=True, help="0 disables."),
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=d.top_p, show_default=True, help="Nucleus sampling (1 disables)."),
@@ -550,6 +571,7 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
     progress = progress or Console(stderr=True, quiet=quiet)
     with progress.status("Starting the engine (importing torch and transformers)..."):
         from specchat.engine.acceptance import parse_rule
+        from specchat.engine.draft_length import MeasuredK
         from specchat.engine.loop import AdaptiveK
         from specchat.models import LLAMA_CPP_INSTALL, is_gguf
         from specchat.session import Session
@@ -578,6 +600,8 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
         # -k is the starting length; the schedule moves it within [1, max(16, 2K)]; model drafts also stop
         # when their top probability is below 0.7
         session.controls.adaptive = AdaptiveK(start=options.draft_len, k_max=max(16, 2 * options.draft_len), p_min=0.7)
+    elif options.measured_k:
+        session.controls.adaptive = MeasuredK(start=options.draft_len)
     if models.engine == "auto" and is_gguf(models.target):  # which engine auto measured faster, and by how much
         from specchat import choose_engine
         from specchat.models import gguf_path
@@ -650,7 +674,7 @@ def config_summary(session) -> dict:
         "target": session.target.name,
         "draft": session.draft.name if session.draft else None,
         "mode": session.mode,
-        "draft_len": session.controls.k,
+        "draft_len": "auto" if session.snapshot().k_measured else session.controls.k,
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,

@@ -83,7 +83,6 @@ class MeasuredK:
         self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
         self.modes: dict[str, ModeRounds] = {}
         self.best: dict[str, int] = {}  # mode -> the K the model chose last (what the panel shows as its K)
-        self.explored: dict[str, int] = {}  # mode -> how many neighbours it has run (odd: the next is below)
         self.last_mode: str | None = None  # the mode of the latest round observed
 
     def _rounds(self, mode: str) -> ModeRounds:
@@ -92,14 +91,14 @@ class MeasuredK:
         return self.modes[mode]
 
     def k(self, mode: str) -> int:
+        """The K of `mode`'s next round (no side effect but `best`: the panel may ask as well as the loop)."""
         stats = self._rounds(mode)
         if stats.rounds < MIN_ROUNDS:
             return self.start
         best = self.best[mode] = self.choose(mode)
         if stats.rounds % EXPLORE_EVERY:
             return best
-        turn = self.explored[mode] = self.explored.get(mode, 0) + 1
-        neighbour = best + 1 if turn % 2 else best - 1
+        neighbour = best + 1 if stats.rounds // EXPLORE_EVERY % 2 else best - 1  # above, then below
         return neighbour if self.k_min <= neighbour <= self.k_max else best
 
     def choose(self, mode: str) -> int:

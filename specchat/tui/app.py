@@ -608,8 +608,11 @@ class SpecChatApp(App):
             self.warn("The draft length is the server's setting (llama-server: --spec-draft-n-max; it ignores a "
                       "request's); start another server for another K and switch to it")
             return
-        controls.k = max(K_RANGE[0], min(K_RANGE[1], controls.k + delta))
-        self.notify(f"Draft length K = {controls.k}", timeout=2)
+        measured = self.session.snapshot()
+        if measured.k_measured:  # from the K it measured, fixed from now on
+            controls.adaptive = None
+        controls.k = max(K_RANGE[0], min(K_RANGE[1], measured.k + delta))
+        self.notify(f"Draft length K = {controls.k}" + (" (fixed from now: it was measured)" if measured.k_measured else ""), timeout=2)
         self.refresh_panel()
 
     def set_sampling(self, **changes) -> None:

@@ -435,7 +435,10 @@ def test_generate_summary_names_the_seed_and_k_when_they_matter(tiny, keep_threa
     r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--mode", "lookup", "--temperature", 0.7, "--seed", 5,
                "--max-new-tokens", 6, "--threads", 1)
     assert r.exit_code == 0, r.output
-    assert "lookup K=4" in r.stdout and "seed=5" in r.stdout and "T=0.7" in r.stdout
+    assert "lookup K=auto" in r.stdout and "seed=5" in r.stdout and "T=0.7" in r.stdout  # K measured by default
+    r = invoke("generate", "--prompt", "hello world", "--target", tiny, "--mode", "lookup", "-k", "3", "--max-new-tokens", 6, "--threads", 1)
+    assert r.exit_code == 0, r.output
+    assert "lookup K=3" in r.stdout
 
 
 def test_generate_reports_a_long_prompt_s_reading_before_the_first_token(tiny, keep_threads, monkeypatch):

@@ -40,7 +40,9 @@ def test_the_commands_click_defaults_are_the_tables():
         d = DEFAULTS[command]
         shown = {p.name: p.default for p in COMMANDS[command][0].params}
         assert (shown["mode"], shown["draft_len"], shown["temperature"], shown["top_k"], shown["top_p"], shown["seed"],
-                shown["max_new_tokens"]) == (d.mode, d.draft_lens[0], d.temperature, d.top_k, d.top_p, d.seed, d.max_new_tokens)
+                shown["max_new_tokens"]) == (d.mode, "auto" if d.measured_k else d.draft_lens[0], d.temperature, d.top_k,
+                                             d.top_p, d.seed, d.max_new_tokens)
+    assert DEFAULTS["chat"].measured_k and DEFAULTS["generate"].measured_k and not DEFAULTS["verify"].measured_k
     shown = {p.name: p.default for p in bench.params}
     assert shown["draft_lens"] == "2,4,8" and shown["temperatures"] == "0"
     assert (shown["seed"], shown["max_new_tokens"]) == (DEFAULTS["bench"].seed, DEFAULTS["bench"].max_new_tokens)

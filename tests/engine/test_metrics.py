@@ -119,7 +119,7 @@ def conversation_with(records_and_modes):
     from specchat.conversation import Conversation, Turn
 
     conv = Conversation(max_new_tokens=100)
-    conv.controls = SimpleNamespace(mode="off", k=4, sampling=SamplingParams(0.0), rule=SimpleNamespace(name="exact", exact=True), drafter=None)
+    conv.controls = SimpleNamespace(mode="off", k=4, sampling=SamplingParams(0.0), rule=SimpleNamespace(name="exact", exact=True), drafter=None, adaptive=None)
     turn = Turn(user="", prompt_tokens=0)
     for selected, record in records_and_modes:
         conv.controls.mode = selected

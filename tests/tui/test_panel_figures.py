@@ -90,7 +90,7 @@ class Scripted(Conversation):
 
     def __init__(self) -> None:
         super().__init__(max_new_tokens=64)
-        self.controls = SimpleNamespace(mode="lookup", k=4, sampling=SamplingParams(0.0), drafter=None,
+        self.controls = SimpleNamespace(mode="lookup", k=4, adaptive=None, sampling=SamplingParams(0.0), drafter=None,
                                         rule=SimpleNamespace(name="exact", exact=True))
 
     def play(self, rounds: list[RoundRecord]):

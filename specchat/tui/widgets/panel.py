@@ -257,7 +257,7 @@ class StatsPanel(VerticalScroll, can_focus=False):
         running = f"→{snapshot.choice}" if auto and snapshot.choice else ""
         # two short lines (38 columns at least): the mode and K, then the rule and sampling (or a switch under way)
         line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
-                             (capped, "dim"), "\n")
+                             (" measured" if snapshot.k_measured else "", "dim"), (capped, "dim"), "\n")
         line.append_text(Text.assemble((exact, "dim"), "  ", (f"switching to {pending}…", "italic") if pending else how))
         self.query_one("#mode-line", Static).update(line, layout=False)
         if running:  # the rest of the panel is about the mode auto runs now
