@@ -275,3 +275,24 @@ async def test_the_header_keeps_the_sampling_and_the_default_model_s_whole_name(
         header = screen_text(app).splitlines()[0]
         assert all(name in header for name in names), header
         assert "…" not in header
+
+
+@pytest.mark.asyncio
+async def test_a_measured_k_is_shown_as_measured_and_k_plus_one_fixes_it_from_there():
+    """-k auto: the mode line shows the K measured for the mode running; the palette's K + 1 fixes K at that plus
+    one (the measured K would otherwise ignore it)."""
+    from specchat.engine.draft_length import MeasuredK
+
+    session = FakeSession()
+    session.controls.adaptive = measured = MeasuredK(start=4)
+    measured.best["lookup"] = 2
+    app = RecordingApp(session)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.refresh_panel()
+        await pilot.pause()
+        assert "K 2 measured" in str(app.query_one("#mode-line").render())
+        app.action_draft_length(1)
+        await pilot.pause()
+        line = str(app.query_one("#mode-line").render())
+        assert session.controls.adaptive is None and session.controls.k == 3
+        assert "K 3" in line and "measured" not in line
