@@ -3,7 +3,8 @@
     E[tokens | K] / (K c + v(K + 1)),    E[tokens | K] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_K
 
 (Leviathan et al. 2023, section 3.5, with a per-position a_i), where a_i is how often draft i was accepted when drafts
-1..i-1 were, c a draft token's seconds and v(n) a verify of n positions' seconds, all from this mode's recent rounds.
+1..i-1 were and c a draft token's seconds, from this mode's recent rounds, and v(n) a verify of n positions'
+seconds, from every mode's (the same target forward whichever mode drafted; plain rounds give v(1)).
 
 Why: the best K is a property of the pair and the machine, not of the method. The same draft model pays at K=3 and
 loses at K=4 on one CPU (a verify of 5 positions costs ~2 plain steps there) where another verifies 5 positions for
@@ -13,12 +14,12 @@ and every round runs the exact rule, so the output follows the target's distribu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WINDOW = 32  # rounds a mode's estimates average over (exponential weights): acceptance moves with the text
 MIN_ROUNDS = 4  # a mode's rounds at its starting K before K moves
-EXPLORE_EVERY = 6  # every this many rounds of a mode, the best K's neighbour runs (above, then below): their costs stay measured
-PRIOR = 1.0  # rounds a_i's prior weighs: a_1's is 0.5, a_i's the estimate of a_(i-1) (so an untried position is as likely as the last)
+EXPLORE_EVERY = 6  # every this many rounds of a mode, the best K's neighbour runs (below, then above): their costs stay measured
+PRIOR = 2.0  # rounds a_i's prior weighs: the acceptance pooled over every position (an untried one is neither hope nor doom)
 
 
 class VerifyCosts:
@@ -60,15 +61,11 @@ class ModeRounds:
     draft_s: float = 0.0  # seconds of drafting
     drafts: float = 0.0  # drafts those seconds made
     rounds: int = 0  # rounds seen (unweighted)
-    verify: VerifyCosts = field(default_factory=VerifyCosts)
 
     def acceptance(self) -> list[float]:
-        """a_1..a_kmax, each shrunk toward the one before it by PRIOR rounds."""
-        out, prior = [], 0.5
-        for reached, accepted in zip(self.reached, self.accepted):
-            prior = (accepted + PRIOR * prior) / (reached + PRIOR)
-            out.append(prior)
-        return out
+        """a_1..a_kmax, each shrunk toward the acceptance pooled over all positions by PRIOR rounds."""
+        pooled = (sum(self.accepted) + 0.5) / (sum(self.reached) + 1.0)
+        return [(accepted + PRIOR * pooled) / (reached + PRIOR) for reached, accepted in zip(self.reached, self.accepted)]
 
 
 class MeasuredK:
@@ -82,6 +79,7 @@ class MeasuredK:
     def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 12, p_min: float = 0.0) -> None:
         self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
         self.modes: dict[str, ModeRounds] = {}
+        self.verify = VerifyCosts()
         self.best: dict[str, int] = {}  # mode -> the K the model chose last (what the panel shows as its K)
         self.last_mode: str | None = None  # the mode of the latest round observed
 
@@ -98,7 +96,7 @@ class MeasuredK:
         best = self.best[mode] = self.choose(mode)
         if stats.rounds % EXPLORE_EVERY:
             return best
-        neighbour = best + 1 if stats.rounds // EXPLORE_EVERY % 2 else best - 1  # above, then below
+        neighbour = best - 1 if stats.rounds // EXPLORE_EVERY % 2 else best + 1  # below, then above
         return neighbour if self.k_min <= neighbour <= self.k_max else best
 
     def choose(self, mode: str) -> int:
@@ -112,7 +110,7 @@ class MeasuredK:
         for k in range(1, self.k_max + 1):
             chain *= alphas[k - 1]
             tokens += chain
-            v = stats.verify.cost(k + 1)
+            v = self.verify.cost(k + 1)
             if k >= self.k_min and v is not None and (rate := tokens / (k * c + v)) > best_rate:
                 best, best_rate = k, rate
         return best
@@ -122,7 +120,11 @@ class MeasuredK:
         round (cut at EOS or the budget) is left out; so is the draft time of a reply's first round and of a mode's
         first round after another's, which include feeding the draft what it missed (a prompt, other modes' tokens)."""
         switched, self.last_mode = record.mode != self.last_mode, record.mode
-        if not record.drafted or record.stop_reason is not None:  # no drafts (no match, plain decoding): nothing about K
+        if record.stop_reason is not None:
+            return
+        if record.drafted or record.index > 0:  # (a reply's first plain round: its token came with the prefill)
+            self.verify.add(record.drafted + 1, record.verify_s)
+        if not record.drafted:  # no drafts (no match, plain decoding): nothing more about K
             return
         stats = self._rounds(record.mode)
         keep = 1.0 - 1.0 / WINDOW
@@ -135,5 +137,4 @@ class MeasuredK:
         if record.index > 0 and not switched:
             stats.draft_s = keep * stats.draft_s + record.draft_s
             stats.drafts = keep * stats.drafts + record.drafted
-        stats.verify.add(record.drafted + 1, record.verify_s)
         stats.rounds += 1

@@ -43,9 +43,9 @@ def measured(alpha: float, c: float, verify, k_max: int = 12) -> MeasuredK:
     """A MeasuredK whose mode "draft" saw acceptance alpha at every position (1000 rounds each: the prior is
     negligible), c seconds a draft and verify(n) seconds a verify of n positions for n = 1..k_max + 1."""
     m = MeasuredK(start=2, k_max=k_max)
-    m.modes["draft"] = stats = ModeRounds([1000.0] * k_max, [1000.0 * alpha] * k_max, draft_s=100 * c, drafts=100, rounds=MIN_ROUNDS)
+    m.modes["draft"] = ModeRounds([1000.0] * k_max, [1000.0 * alpha] * k_max, draft_s=100 * c, drafts=100, rounds=MIN_ROUNDS)
     for n in range(1, k_max + 2):
-        stats.verify.add(n, verify(n))
+        m.verify.add(n, verify(n))
     return m
 
 
@@ -75,23 +75,28 @@ def test_k_starts_at_start_then_follows_the_choice_with_a_neighbour_every_explor
     assert m.k("head") == 3  # per mode
 
 
-def test_the_chosen_k_converges_on_simulated_rounds():
-    """Rounds drawn from a pair with acceptance 0.9 at every position, costs as in the first case above: from K=2, the
-    choice settles where expected tokens per second is highest (4, with 5 within 0.2%)."""
+def rate(k: int, alpha: float, c: float, slope: float) -> float:
+    """Expected tokens per second at K = k: acceptance alpha at every position, a draft c, a verify 1 + slope a draft."""
+    return sum(alpha**i for i in range(k + 1)) / (k * c + 1 + slope * k)
+
+
+@pytest.mark.parametrize("start, slope", [(2, 0.25), (5, 0.5), (4, 0.1)])
+def test_the_chosen_k_converges_on_simulated_rounds(start, slope):
+    """Rounds drawn from a pair with acceptance 0.9 at every position, a draft 0.1 of a step, a verify 1 + slope a
+    draft: from `start`, the choices of the last 200 rounds give on average 98% of the best rate or more (the
+    optimum, K = 4, 2 and 7 here, is flat, and 32 rounds of acceptance are a noisy estimate: seeds 0-2 gave
+    99.5-100%, no choice below 94%)."""
     rng = random.Random(0)
-    m = MeasuredK(start=2, k_max=10)
+    m = MeasuredK(start=start, k_max=10)
+    chosen = []
     for _ in range(400):
         k = m.k("draft")
         accepted = next((i for i in range(k) if rng.random() >= 0.9), k)
-        m.observe(record(drafted=k, accepted=accepted, draft_s=0.1 * k, verify_s=1 + 0.25 * k))
-    assert m.best["draft"] in (4, 5)
-    # the same pair where a verify costs twice as much a position
-    m = MeasuredK(start=5, k_max=10)
-    for _ in range(400):
-        k = m.k("draft")
-        accepted = next((i for i in range(k) if rng.random() >= 0.9), k)
-        m.observe(record(drafted=k, accepted=accepted, draft_s=0.1 * k, verify_s=1 + 0.5 * k))
-    assert m.best["draft"] in (2, 3)
+        m.observe(record(drafted=k, accepted=accepted, draft_s=0.1 * k, verify_s=1 + slope * k))
+        chosen.append(m.best.get("draft", start))
+    best = max(rate(k, 0.9, 0.1, slope) for k in range(1, 11))
+    ratios = [rate(k, 0.9, 0.1, slope) / best for k in chosen[-200:]]
+    assert sum(ratios) / len(ratios) >= 0.98 and min(ratios) >= 0.9, chosen[-200:]
 
 
 def test_acceptance_counts_each_position_reached_and_a_cut_round_nothing():
@@ -115,3 +120,14 @@ def test_draft_time_that_includes_catching_up_is_left_out():
     stats = m.modes["draft"]
     assert stats.draft_s / stats.drafts == pytest.approx(0.1)
     assert stats.rounds == 4  # their acceptance and verify still count
+
+
+def test_every_mode_s_rounds_price_the_verify_and_plain_rounds_give_a_one_position_verify():
+    """A verify is the same target forward whichever mode drafted: the line through a plain step and one mode's
+    verify prices the others' K at once (a reply's first plain round came with the prefill: no step to time)."""
+    m = MeasuredK(start=4)
+    m.observe(record("off", drafted=0, accepted=0, verify_s=9.0, index=0))
+    m.observe(record("off", drafted=0, accepted=0, verify_s=1.0))
+    m.observe(record("draft", drafted=4, accepted=4, verify_s=2.0))
+    assert m.verify.seconds == {1: 1.0, 5: 2.0}
+    assert m.verify.cost(3) == pytest.approx(1.5) and "off" not in m.modes  # plain rounds teach nothing else about K
