@@ -15,6 +15,7 @@ import torch
 from specchat import machine, models, store, threads
 from specchat.conversation import Conversation, PromptTooLong, Turn
 from specchat.engine.detokenize import IncrementalDecoder
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.drafters import Drafter, build_drafter
 from specchat.engine.drafters.auto import CANDIDATES as AUTO_CANDIDATES
 from specchat.engine.drafters.baseline import InBandBaseline
@@ -172,11 +173,20 @@ class Session(Conversation):
                 break
         return out[::-1]
 
+    def measure_k(self, start: int) -> None:
+        """-k auto: K chosen each round from measured costs (MeasuredK), from what earlier sessions of this setup
+        measured."""
+        setup = auto_setup(self.target, self.draft, self.state.device, self.mode_options)
+        self.controls.adaptive = MeasuredK(start=start, memory=store.LearntRates(setup, "draft_length") if self.earlier_sessions else None)
+
     def save_learnt(self) -> None:
-        """Keep what auto learnt this session for the next one (after every turn: a killed session loses little)."""
+        """Keep what auto and the measured K learnt this session for the next one (after every turn: a killed session
+        loses little)."""
         auto = self._drafters.get("auto")
         if auto is not None and self.earlier_sessions:
             auto.save()
+        if isinstance(self.controls.adaptive, MeasuredK):
+            self.controls.adaptive.save()
 
     def engine(self) -> tuple[CachedTarget, Controls]:
         """Another engine over the same weights: its own KV cache and drafter, this session's mode and settings.

@@ -186,12 +186,13 @@ def save_tuned(model, mode: str, result: dict) -> Path:
 
 class LearntRates:
     """Mode auto's rates for one setup (the target's and draft's weights, engine, device, dtype, threads, the
-    machine), kept between sessions: a first reply starts from what earlier sessions measured (drafters/auto.py)."""
+    machine), kept between sessions: a first reply starts from what earlier sessions measured (drafters/auto.py).
+    `kind` "draft_length": the measured K's costs and acceptance instead (engine/draft_length.py)."""
 
-    def __init__(self, setup: dict) -> None:
+    def __init__(self, setup: dict, kind: str = "auto") -> None:
         self.setup = setup
         key = hashlib.sha1(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = state_dir() / "auto" / f"{key}.json"
+        self.path = state_dir() / kind / f"{key}.json"
 
     def load(self) -> dict:
         """{sampling setting: {arm: {tokens, seconds, rounds, at}}}; {} for a setup never seen or an unreadable file."""

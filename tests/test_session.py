@@ -68,6 +68,28 @@ def test_auto_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_p
     assert other.controls.drafter.memory.path != saved and not other.controls.drafter.known
 
 
+def test_the_measured_k_keeps_what_it_learnt_for_the_next_session(tiny, monkeypatch, tmp_path):
+    """-k auto: after a turn the measured K's acceptance and verify costs are in the state folder under this setup,
+    and the next session's K starts from them; earlier_sessions=False neither reads nor writes."""
+    monkeypatch.setenv("SPECCHAT_STATE_DIR", str(tmp_path))
+    first = Session(tiny, tiny, mode="draft", sampling=SamplingParams(0), max_new_tokens=40)
+    first.measure_k(3)
+    list(first.reply("the cat and the dog"))
+    [saved] = (tmp_path / "draft_length").glob("*.json")
+    learnt = first.controls.adaptive
+    second = Session(tiny, tiny, mode="draft", sampling=SamplingParams(0), max_new_tokens=40)
+    second.measure_k(3)
+    measured = second.controls.adaptive
+    assert measured.memory.path == saved and measured.verify.seconds == pytest.approx(learnt.verify.seconds)
+    assert measured.modes["draft"].reached == pytest.approx(learnt.modes["draft"].reached)
+    assert measured.k("draft") == learnt.choose("draft")  # at once: no rounds at the start K first
+    unlearnt = Session(tiny, tiny, mode="draft", sampling=SamplingParams(0), max_new_tokens=16, earlier_sessions=False)
+    unlearnt.measure_k(3)
+    assert unlearnt.controls.adaptive.memory is None and unlearnt.controls.adaptive.modes == {}
+    list(unlearnt.reply("hello"))
+    assert list((tmp_path / "draft_length").glob("*.json")) == [saved]
+
+
 def test_suffix_drafts_from_the_saved_conversations(tiny, monkeypatch, tmp_path):
     """Mode suffix's corpus is the user's saved conversations, tokenised with this target's chat template: a new
     conversation that starts to repeat a saved reply gets that reply's continuation as drafts."""

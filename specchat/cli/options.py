@@ -571,7 +571,6 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
     progress = progress or Console(stderr=True, quiet=quiet)
     with progress.status("Starting the engine (importing torch and transformers)..."):
         from specchat.engine.acceptance import parse_rule
-        from specchat.engine.draft_length import MeasuredK
         from specchat.engine.loop import AdaptiveK
         from specchat.models import LLAMA_CPP_INSTALL, is_gguf
         from specchat.session import Session
@@ -601,7 +600,7 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
         # when their top probability is below 0.7
         session.controls.adaptive = AdaptiveK(start=options.draft_len, k_max=max(16, 2 * options.draft_len), p_min=0.7)
     elif options.measured_k:
-        session.controls.adaptive = MeasuredK(start=options.draft_len)
+        session.measure_k(options.draft_len)
     if models.engine == "auto" and is_gguf(models.target):  # which engine auto measured faster, and by how much
         from specchat import choose_engine
         from specchat.models import gguf_path

@@ -14,7 +14,7 @@ and every round runs the exact rule, so the output follows the target's distribu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 WINDOW = 32  # rounds a mode's estimates average over (exponential weights): acceptance moves with the text
 MIN_ROUNDS = 4  # a mode's rounds at its starting K before K moves
@@ -74,14 +74,38 @@ class MeasuredK:
     A mode starts at `start` (the user's -k) and moves once MIN_ROUNDS rounds have measured it; every EXPLORE_EVERY
     rounds it runs a neighbour of its best K, so the verify costs on either side stay measured and the line through
     them can move the choice further. `p_min` > 0 also stops a model draft when its top probability falls below it.
+    `memory` (store.LearntRates of this setup): a session starts from what the last one measured, at its weights
+    (new rounds outweigh them within WINDOW rounds, a verify's cost within 8), and `save` keeps this one's.
     """
 
-    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 12, p_min: float = 0.0) -> None:
+    def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 12, p_min: float = 0.0, memory=None) -> None:
         self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
         self.modes: dict[str, ModeRounds] = {}
         self.verify = VerifyCosts()
         self.best: dict[str, int] = {}  # mode -> the K the model chose last (what the panel shows as its K)
         self.last_mode: str | None = None  # the mode of the latest round observed
+        self.memory = memory
+        if memory is not None:
+            self.recall(memory.load())
+
+    def recall(self, saved: dict) -> None:
+        """What `save` wrote; anything else (another version's file, a hand edit) is ignored, whole or in part."""
+        try:
+            verify = {int(n): float(s) for n, s in saved.get("verify", {}).items() if int(n) >= 1 and float(s) > 0}
+            modes = {str(mode): ModeRounds([float(x) for x in m["reached"]][: self.k_max], [float(x) for x in m["accepted"]][: self.k_max],
+                                           float(m["draft_s"]), float(m["drafts"]), min(int(m["rounds"]), MIN_ROUNDS))
+                     for mode, m in saved.get("modes", {}).items()}
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return
+        for stats in modes.values():
+            pad = self.k_max - len(stats.reached)
+            stats.reached, stats.accepted = stats.reached + [0.0] * pad, stats.accepted + [0.0] * pad
+        self.verify.seconds, self.modes = verify, modes
+
+    def save(self) -> None:
+        if self.memory is not None:
+            self.memory.save({"verify": {str(n): s for n, s in self.verify.seconds.items()},
+                              "modes": {mode: asdict(stats) for mode, stats in self.modes.items() if stats.rounds}})
 
     def _rounds(self, mode: str) -> ModeRounds:
         if mode not in self.modes:

@@ -131,3 +131,33 @@ def test_every_mode_s_rounds_price_the_verify_and_plain_rounds_give_a_one_positi
     m.observe(record("draft", drafted=4, accepted=4, verify_s=2.0))
     assert m.verify.seconds == {1: 1.0, 5: 2.0}
     assert m.verify.cost(3) == pytest.approx(1.5) and "off" not in m.modes  # plain rounds teach nothing else about K
+
+
+class Memory:
+    """store.LearntRates' interface, in memory."""
+
+    def __init__(self, saved=None) -> None:
+        self.saved = saved if saved is not None else {}
+
+    def load(self) -> dict:
+        return self.saved
+
+    def save(self, data: dict) -> None:
+        self.saved = data
+
+
+def test_a_new_session_starts_from_what_the_last_one_measured_and_ignores_a_foreign_file():
+    memory = Memory()
+    m = MeasuredK(start=4, memory=memory)
+    for _ in range(40):  # a verify costs a step per position: K = 1 pays most
+        k = m.k("draft")
+        m.observe(record(drafted=k, accepted=k, draft_s=0.05 * k, verify_s=1.0 + k))
+    m.save()
+    assert m.choose("draft") == 1
+    again = MeasuredK(start=4, memory=memory)
+    assert again.k("draft") == 1 and again.verify.seconds == pytest.approx(m.verify.seconds)
+    for foreign in ({"modes": {"draft": {"reached": "x"}}}, {"verify": [1, 2]}, {"modes": {"draft": {"reached": [1.0]}}}):
+        fresh = MeasuredK(start=4, memory=Memory(foreign))
+        assert fresh.modes == {} and fresh.verify.seconds == {} and fresh.k("draft") == 4
+    short = MeasuredK(start=4, k_max=16, memory=memory)  # a file from a shorter k_max: padded
+    assert len(short.modes["draft"].reached) == 16 and short.k("draft") == 1
