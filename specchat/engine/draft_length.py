@@ -6,10 +6,10 @@
 1..i-1 were and c a draft token's seconds, from this mode's recent rounds, and v(n) a verify of n positions'
 seconds, from every mode's (the same target forward whichever mode drafted; plain rounds give v(1)).
 
-Why: the best K is a property of the pair and the machine, not of the method. The same draft model pays at K=3 and
-loses at K=4 on one CPU (a verify of 5 positions costs ~2 plain steps there) where another verifies 5 positions for
-~1.3 steps; a fixed K is right on at most one of them. K depends only on earlier rounds, never on this round's draws,
-and every round runs the exact rule, so the output follows the target's distribution whatever K is chosen.
+Why: the best K is a property of the pair and the machine, not of the method: how much a verify's cost grows with
+its positions differs between CPUs several-fold, so a fixed K is right on one of them at most. K depends only on
+earlier rounds, never on this round's draws, and every round runs the exact rule, so the output follows the target's
+distribution whatever K is chosen.
 """
 
 from __future__ import annotations
