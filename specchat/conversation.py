@@ -227,9 +227,10 @@ class Conversation:
             latest = (r.accepted / r.drafted for t in reversed(self.turns) for r in reversed(t.rounds) if r.drafted)
             measured = controls.adaptive if isinstance(controls.adaptive, MeasuredK) else None
             running = getattr(drafter, "choice", None) or controls.mode
+            k = measured.best.get(running, controls.k) if measured else controls.k
             return Snapshot(
                 mode=controls.mode,
-                k=measured.best.get(running, controls.k) if measured else controls.k,
+                k=k,
                 k_measured=measured is not None,
                 sampling=controls.sampling,
                 rule=controls.rule.name,
@@ -240,7 +241,7 @@ class Conversation:
                 baseline=Baseline.of(self._plain or ()),
                 plain_for={mode: s.copy() for mode, s in self.plain_for.items()},
                 max_draft=getattr(drafter, "max_draft", None),
-                draft_len=drafter.draft_len(controls.k) if hasattr(drafter, "draft_len") else None,
+                draft_len=drafter.draft_len(k) if hasattr(drafter, "draft_len") else None,  # at the K shown
                 choice=getattr(drafter, "choice", None),
                 why=getattr(drafter, "why", None),
                 **({"standings": drafter.standings(), "verify_steps": drafter.verify_steps()}

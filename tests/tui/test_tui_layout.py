@@ -290,7 +290,8 @@ async def test_a_measured_k_is_shown_as_measured_and_k_plus_one_fixes_it_from_th
     async with app.run_test(size=(120, 40)) as pilot:
         app.refresh_panel()
         await pilot.pause()
-        assert "K 2 measured" in str(app.query_one("#mode-line").render())
+        line = str(app.query_one("#mode-line").render())
+        assert "K 2 measured" in line and "long match" not in line  # a model's drafts go to K, not to the start K
         app.action_draft_length(1)
         await pilot.pause()
         line = str(app.query_one("#mode-line").render())
