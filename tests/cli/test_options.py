@@ -20,9 +20,15 @@ COMMANDS = {"chat": (main, []), "generate": (generate, ["--prompt", "hi"]), "ver
             "tune": (tune, ["--mode", "layerskip"]), "train-head": (train_head, [])}
 
 
+def under_main():
+    """A subcommand's context as the CLI builds it: under the group's, whose -h it inherits (click keeps a command's
+    help option from its first context, and docs/cli.md shows `-h, --help`)."""
+    return main.make_context("specchat", [], resilient_parsing=True)
+
+
 def options(command: str, *args) -> Options:
     cmd, required = COMMANDS[command]
-    return Options.from_click(command, cmd.make_context(command, [*required, *map(str, args)]))
+    return Options.from_click(command, cmd.make_context(command, [*required, *map(str, args)], parent=None if cmd is main else under_main()))
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -130,7 +136,7 @@ def test_with_a_server_the_local_options_set_are_named_by_their_flags():
 
 
 def test_from_click_reads_the_running_commands_context_and_needs_one():
-    with generate.make_context("generate", ["--prompt", "hi", "--seed", "7"]):  # as inside the command
+    with generate.make_context("generate", ["--prompt", "hi", "--seed", "7"], parent=under_main()):  # as inside the command
         assert Options.from_click("generate").seed == 7
     with pytest.raises(RuntimeError):  # click's: no command is running
         Options.from_click("generate")
