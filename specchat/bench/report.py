@@ -83,6 +83,10 @@ def markdown(results: dict) -> str:
     ))
     auto_lines = []
     for r in rows:
+        if r.get("k_chosen"):
+            chosen = ", ".join(f"{mode} {k}" for mode, k in r["k_chosen"].items())
+            auto_lines.append(f"- {r['config']}: K measured per mode as the chat's `-k auto` (from {r['k']}), one measurement "
+                              f"over all its runs; the K it chose last: {chosen}")
         best = r.get("vs_best")
         if best and best["ratio"] is not None:
             by_prompt = ", ".join(f"{p} {fmt(v)}" for p, v in best.get("by_prompt", {}).items())
@@ -139,16 +143,22 @@ def plot(results: dict, path: Path) -> bool:
     temps = results["settings"]["temperatures"]
     fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps):
-        rows = [r for r in results["configs"] if r["temperature"] == t and r["k"] > 0]
+        rows = [r for r in results["configs"] if r["temperature"] == t and r["k"] > 0 and not r.get("k_measured")]
+        colours = {}
         for name in dict.fromkeys((r["mode"], r["accept"]) for r in rows):
             pts = sorted((r["k"], r["hf_speedup"] if r["peer"] else r["speedup"]) for r in rows if (r["mode"], r["accept"]) == name)
             pts = [(k, s) for k, s in pts if s is not None]
             if pts:
                 label = name[0] + ("" if name[1] == "exact" else f" ({name[1]})") + (" (vs HF generate)" if name[0].startswith("hf-") else "")
-                ax.plot(*zip(*pts), marker="o", linestyle="--" if name[0].startswith("hf-") else "-", label=label)
-        ks = results["settings"]["draft_lens"]
-        ax.set_xticks(ks)
-        ax.set_xlim(min(ks) - 1, max(ks) + 1)
+                (line,) = ax.plot(*zip(*pts), marker="o", linestyle="--" if name[0].startswith("hf-") else "-", label=label)
+                colours[name] = line.get_color()
+        measured = [r for r in results["configs"] if r["temperature"] == t and r.get("k_measured") and r["speedup"] is not None]
+        for i, r in enumerate(measured):  # K measured has no one K: a level line in its mode's colour
+            ax.axhline(r["speedup"], linestyle=":", color=colours.get((r["mode"], r["accept"]), f"C{len(colours) + i}"),
+                       label=f"{r['mode']}, K measured" + ("" if r["accept"] == "exact" else f" ({r['accept']})"))
+        if ks := results["settings"]["draft_lens"]:
+            ax.set_xticks(ks)
+            ax.set_xlim(min(ks) - 1, max(ks) + 1)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xlabel("draft length K")
         ax.set_ylabel("speedup over plain decoding")

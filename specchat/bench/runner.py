@@ -14,6 +14,7 @@ import torch
 
 from specchat.bench.peers import early_exit_layer, run_peer
 from specchat.engine.acceptance import parse_rule
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.loop import Controls, generate
 from specchat.engine.loop import clock
 from specchat.engine.metrics import Stats, speedup_model
@@ -33,9 +34,10 @@ class Config:
     """One measured configuration: a specchat mode or an HF peer, K, temperature and acceptance rule."""
 
     mode: str  # specchat mode, or a peer name from PEER_OF's values
-    k: int  # draft length; 0 for plain decoding
+    k: int  # draft length; 0 for plain decoding; where measured, the K it starts from
     temperature: float
     accept: str = "exact"
+    measured: bool = False  # K measured (MeasuredK, the chat's -k auto): one measurement over all the config's runs
 
     @property
     def is_peer(self) -> bool:
@@ -49,7 +51,7 @@ class Config:
     def label(self) -> str:
         parts = [self.mode]
         if self.k:
-            parts.append(f"K={self.k}")
+            parts.append("K=auto" if self.measured else f"K={self.k}")
         parts.append(f"T={self.temperature:g}")
         if self.accept != "exact":
             parts.append(self.accept)
@@ -78,11 +80,13 @@ class Context:
     exit_layer: int | None = None  # for the hf-earlyexit peer
     stats: dict = field(default_factory=dict)  # config label -> Stats over all its measured generations
     steady: dict = field(default_factory=dict)  # the same without each generation's first round (draft prefill)
+    measured: dict = field(default_factory=dict)  # config label -> its MeasuredK, kept from run to run as a chat keeps it
 
 
-def build_configs(modes, ks, temperatures, accepts, *, peers: bool) -> list[Config]:
-    """Plain decoding once per temperature, every other mode for every K and rule; with `peers`, the HF
-    implementation of each requested mode that has one (PEER_OF), at the same K and temperature."""
+def build_configs(modes, ks, temperatures, accepts, *, peers: bool, measured_from: int | None = None) -> list[Config]:
+    """Plain decoding once per temperature, every other mode for every K and rule, and with `measured_from` with K
+    measured from that K; with `peers`, the HF implementation of each requested mode that has one (PEER_OF), at the
+    same fixed K and temperature."""
     configs = []
     for t in temperatures:
         configs.append(Config("off", 0, t))
@@ -93,6 +97,8 @@ def build_configs(modes, ks, temperatures, accepts, *, peers: bool) -> list[Conf
                 continue
             for k in ks:
                 configs += [Config(mode, k, t, a) for a in accepts]
+            if measured_from:
+                configs += [Config(mode, measured_from, t, a, measured=True) for a in accepts]
         if peers:
             for k in ks:
                 configs += [Config(PEER_OF[m], k, t) for m in modes if m != "off" and m in PEER_OF]
@@ -104,12 +110,16 @@ def run_seed(ctx: Context, prompt_index: int, repeat: int) -> int:
     return ctx.seed + 1000 * repeat + prompt_index
 
 
-def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int) -> tuple[dict, list]:
-    """One generation through the engine, from a cold cache (no prefix reuse between runs)."""
+def run_specchat(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int, *, warmup: bool = False) -> tuple[dict, list]:
+    """One generation through the engine, from a cold cache (no prefix reuse between runs). A measured K carries
+    over from the configuration's earlier runs (not its warm-up's), as it does from reply to reply in a chat."""
     drafter = ctx.drafters[cfg.mode]
     drafter.reset()
     state = TargetState(ctx.target.model)
-    controls = Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept))
+    adaptive = None
+    if cfg.measured:
+        adaptive = MeasuredK(start=cfg.k) if warmup else ctx.measured.setdefault(cfg.label, MeasuredK(start=cfg.k))
+    controls = Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept), adaptive=adaptive)
     generator = torch.Generator(device=state.device).manual_seed(seed)
     reset_peak(ctx.device)
     records, rounds = [], []
@@ -147,7 +157,7 @@ def round_row(record, reason: str | None) -> dict:
 def run_one(ctx: Context, cfg: Config, ids: list[int], seed: int, max_new_tokens: int, *, warmup: bool = False) -> dict:
     if cfg.is_peer:
         return run_peer(ctx, cfg, ids, seed, max_new_tokens)
-    run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens)
+    run, records = run_specchat(ctx, cfg, ids, seed, max_new_tokens, warmup=warmup)
     if not warmup:
         stats, steady = ctx.stats.setdefault(cfg.label, Stats()), ctx.steady.setdefault(cfg.label, Stats())
         for r in records:
@@ -171,7 +181,7 @@ def run_all(ctx: Context, configs: list[Config], prompts: list[Prompt], repeat: 
             for cfg in configs[shift:] + configs[:shift]:
                 step(f"{cfg.label} on {prompt.name} ({r + 1}/{repeat})")
                 run = run_one(ctx, cfg, prompt.ids, run_seed(ctx, i, r), ctx.max_new_tokens)
-                runs.append({"config": cfg.label, "mode": cfg.mode, "k": cfg.k, "temperature": cfg.temperature,
+                runs.append({"config": cfg.label, "mode": cfg.mode, "k": cfg.k, "k_measured": cfg.measured, "temperature": cfg.temperature,
                              "accept": cfg.accept, "prompt": prompt.name, "repeat": r, **run})
     return runs
 
@@ -206,7 +216,7 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
         mine = [r for r in runs if r["config"] == cfg.label]
         plain = Config("off", 0, cfg.temperature).label
         row = {
-            "config": cfg.label, "mode": cfg.mode, "k": cfg.k, "temperature": cfg.temperature, "accept": cfg.accept,
+            "config": cfg.label, "mode": cfg.mode, "k": cfg.k, "k_measured": cfg.measured, "temperature": cfg.temperature, "accept": cfg.accept,
             "exact": cfg.exact, "peer": cfg.is_peer, "generations": len(mine),
             "new_tokens": sum(r["new_tokens"] for r in mine),
             "tokens_per_s": spread([r["tokens_per_s"] for r in mine]),
@@ -228,6 +238,8 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
                 "per_position_acceptance", "draft_ms_per_round", "verify_ms_per_round", "rounds")})
             row["overhead_ms_per_round"] = _overhead_ms(ctx.stats.get(cfg.label))
             row.update(predict(cfg, ctx.steady.get(cfg.label), ctx.steady.get(plain), row["speedup"]))
+            if cfg.measured and cfg.label in ctx.measured:  # the K it chose last, per mode run (auto: each it ran)
+                row["k_chosen"] = dict(ctx.measured[cfg.label].best)
         rows.append(row)
     for row in rows:
         if row["mode"] == "auto" and not row["peer"]:
@@ -239,8 +251,8 @@ def summarise(ctx: Context, configs: list[Config], runs: list[dict]) -> list[dic
 def against_best(rows: list[dict], auto: dict, runs: list[dict]) -> dict | None:
     """auto paired with the fastest exact single mode at its K and temperature (plain decoding included): what auto
     is for. Paired directly rather than as a ratio of two speedups, which carries the noise of three configurations."""
-    rivals = [r for r in rows if not r["peer"] and r["exact"] and r["mode"] != "auto" and r["k"] in (auto["k"], 0)
-              and r["temperature"] == auto["temperature"] and r["speedup"] is not None]
+    rivals = [r for r in rows if not r["peer"] and r["exact"] and r["mode"] != "auto" and r["temperature"] == auto["temperature"]
+              and (r["mode"] == "off" or (r["k"], r["k_measured"]) == (auto["k"], auto["k_measured"])) and r["speedup"] is not None]
     if not rivals:
         return None
     best = max(rivals, key=lambda r: r["speedup"])
@@ -293,7 +305,7 @@ def peer_pairs(rows: list[dict]) -> list[dict]:
         if not r["peer"]:
             continue
         mode = inverse[r["mode"]]
-        ours = next((x for x in rows if not x["peer"] and x["mode"] == mode and x["k"] == r["k"]
+        ours = next((x for x in rows if not x["peer"] and x["mode"] == mode and x["k"] == r["k"] and not x["k_measured"]
                      and x["temperature"] == r["temperature"] and x["accept"] == "exact"), None)
         ratio = None
         if ours and ours["e2e_tokens_per_s"]["median"] and r["e2e_tokens_per_s"]["median"]:
@@ -401,7 +413,8 @@ def distribution_checks(ctx: Context, configs: list[Config], prompt: Prompt, sam
         drafter.reset()
         session = SimpleNamespace(
             state=TargetState(ctx.target.model),
-            controls=Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept)),
+            controls=Controls(drafter, k=cfg.k, sampling=SamplingParams(cfg.temperature), rule=parse_rule(cfg.accept),
+                              adaptive=MeasuredK(start=cfg.k) if cfg.measured else None),
             eos_ids=ctx.eos_ids,
             generator=torch.Generator(device=ctx.device).manual_seed(ctx.seed),
         )
@@ -415,7 +428,7 @@ def results(ctx: Context, plan, configs: list[Config], prompts: list[Prompt], ro
     return {
         "settings": {
             "target": ctx.target.name, "draft": ctx.draft.name if ctx.draft else None, "modes": list(ctx.drafters),
-            "draft_lens": plan.ks, "temperatures": plan.temperatures, "top_k": 0, "top_p": 1.0, "accept": plan.rules,
+            "draft_lens": plan.ks, "measured_k": plan.measured_from is not None, "temperatures": plan.temperatures, "top_k": 0, "top_p": 1.0, "accept": plan.rules,
             "prompts": plan.prompts_spec, "max_new_tokens": ctx.max_new_tokens, "repeat": plan.repeat,
             "peers": plan.peers, "seed": ctx.seed, "verify_samples": plan.verify_samples,
             "learnt": plan.learnt,

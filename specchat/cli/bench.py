@@ -34,6 +34,13 @@ def parse_list(text: str, convert, what: str, check=lambda v: True, hint: str = 
     return values
 
 
+def draft_lengths(text: str) -> dict:
+    """'2,4,8,auto' -> fixed K 2, 4 and 8, and K measured from the chat's starting K (Plan's ks, measured_from)."""
+    items = parse_list(text, lambda item: item if item == "auto" else int(item), "--draft-len",
+                       lambda k: k == "auto" or k >= 1, " (positive integers or auto)")
+    return {"ks": [k for k in items if k != "auto"], "measured_from": DEFAULTS["chat"].draft_lens[0] if "auto" in items else None}
+
+
 def choose_modes(spec: str | None, has_draft: bool) -> tuple[list[str], dict[str, str]]:
     """Requested modes (errors for unknown/unusable ones), or by default every mode; returns (modes, skipped)."""
     if spec is None:
@@ -79,7 +86,8 @@ class Plan:
     modes: list[str]
     skipped: dict[str, str]  # mode -> why it is not measured
     explicit_modes: bool  # --modes given: a mode that cannot run is an error, not a skip
-    ks: list[int]
+    ks: list[int]  # fixed draft lengths
+    measured_from: int | None  # "auto" in --draft-len: also K measured (the chat's -k auto), from this K
     temperatures: list[float]
     rules: list[str]
     prompts: list[dict]
@@ -111,7 +119,7 @@ def make_plan(options: Options, params: dict) -> Plan:
         raise BadOption(f"--out {out_dir} exists and is not a directory")
     return Plan(
         modes=modes, skipped=skipped, explicit_modes=params["modes"] is not None,
-        ks=parse_list(params["draft_lens"], int, "--draft-len", lambda k: k >= 1, " (positive integers)"),
+        **draft_lengths(params["draft_lens"]),
         temperatures=parse_list(params["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)"),
         rules=rules, prompts=read_prompts(params["prompts_spec"]), settings=options.settings.drafter_options(), out_dir=out_dir,
         learnt=params["learnt"], prompts_spec=params["prompts_spec"], repeat=params["repeat"], peers=params["peers"],
@@ -206,7 +214,8 @@ def show_report(text: str) -> None:
 @model_options
 @server_options
 @click.option("--modes", default=None, metavar="LIST", help=f"Comma-separated, from: {', '.join(MODES)}. Default: every mode that can run (draft with --draft). off always runs.")
-@click.option("--draft-len", "draft_lens", default=",".join(map(str, DEFAULTS["bench"].draft_lens)), show_default=True, metavar="LIST", help="Draft lengths K to measure.")
+@click.option("--draft-len", "draft_lens", default=",".join([*map(str, DEFAULTS["bench"].draft_lens), *(["auto"] if DEFAULTS["bench"].measured_k else [])]), show_default=True, metavar="LIST",
+              help=f"Draft lengths K to measure; auto: K measured per mode as the chat's -k auto does (from {DEFAULTS['chat'].draft_lens[0]}), over all of a configuration's runs.")
 @click.option("--temperature", "temperatures", default=f"{DEFAULTS['bench'].temperature:g}", show_default=True, metavar="LIST", help="Temperatures, e.g. 0,0.7 (0 is greedy).")
 @click.option("--accept", "accepts", default="exact", show_default=True, metavar="LIST", help="Acceptance rules (exact, or approx:<param>).")
 @click.option("--prompts", "prompts_spec", default="builtin", show_default=True, metavar="builtin|FILE.jsonl")
@@ -243,7 +252,8 @@ def bench(**params):
         prompts = tokenise_prompts(plan, target)
 
     ctx = runner.Context(target, draft, device, drafters, target.eos_ids, options.max_new_tokens, options.seed, options.settings.exit_layer)
-    configs = runner.build_configs([m for m in plan.modes if m in drafters], plan.ks, plan.temperatures, plan.rules, peers=plan.peers)
+    configs = runner.build_configs([m for m in plan.modes if m in drafters], plan.ks, plan.temperatures, plan.rules, peers=plan.peers,
+                                   measured_from=plan.measured_from)
     verify_samples = plan.verify_samples
     n_verify = len({(c.mode, c.temperature) for c in configs if not c.is_peer and c.mode != "off" and c.temperature > 0 and c.exact})
     total = len(configs) * (1 + len(prompts) * plan.repeat) + (n_verify if verify_samples else 0)
@@ -291,6 +301,7 @@ def bench_servers(options: Options, params: dict) -> None:
     temperatures = parse_list(params["temperatures"], float, "--temperature", lambda t: t >= 0, " (numbers >= 0)")
     if len(temperatures) > 1:
         raise BadOption("--server: one --temperature per run")
+    lengths = draft_lengths(params["draft_lens"])  # the local modes'
     sampling = SamplingParams(temperatures[0], 0, 1.0)
     if params["modes"] and not options.models.target:
         raise BadOption("--server with --modes: the local modes need --target (the server's model file)")
@@ -313,10 +324,12 @@ def bench_servers(options: Options, params: dict) -> None:
 
         with user_errors():
             target, draft, _, _ = load_models(options.models, console)
-            for mode in modes:
-                session = Session(target, draft, mode=mode, k=int(params["draft_lens"].split(",")[0]), sampling=sampling,
+            for mode in modes:  # at the first fixed K listed; K measured where only auto is
+                session = Session(target, draft, mode=mode, k=(lengths["ks"] or [lengths["measured_from"]])[0], sampling=sampling,
                                   seed=options.seed, max_new_tokens=options.max_new_tokens, mode_options=options.settings.drafter_options(),
                                   earlier_sessions=False)  # as the local bench: nothing learnt or saved before counts
+                if not lengths["ks"]:
+                    session.measure_k(lengths["measured_from"])
                 configs[f"local-{mode}"] = session
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with user_errors(), Progress(*columns, console=console, transient=True) as progress:

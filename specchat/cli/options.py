@@ -110,7 +110,7 @@ class Defaults:
 
     mode: str | None = None  # None: draft with --draft, else off
     draft_lens: tuple[int, ...] = (4,)  # K: a session's is the first (where K is measured, where it starts); bench measures each
-    measured_k: bool = False  # -k's default is auto: K chosen each round from measured costs (engine.draft_length)
+    measured_k: bool = False  # -k's default is auto: K chosen each round from measured costs (engine.draft_length); bench's list has auto
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -127,7 +127,7 @@ DEFAULTS = {
     "chat": Defaults(mode="auto", temperature=0.7, top_p=0.9, measured_k=True),  # auto: each round the mode measured fastest
     "generate": Defaults(measured_k=True),
     "verify": Defaults(temperature=1.0, sampled_only=True),
-    "bench": Defaults(draft_lens=(2, 4, 8), seed=0, max_new_tokens=128),
+    "bench": Defaults(draft_lens=(2, 4, 8), measured_k=True, seed=0, max_new_tokens=128),
     # these score and train with torch's view of the target's layers, greedily
     "tune": Defaults(mode="off", seed=0, max_new_tokens=48, engine="torch"),
     "train-head": Defaults(mode="off", seed=0, max_new_tokens=16, engine="torch"),

@@ -119,6 +119,29 @@ def test_bench_reports_where_autos_time_went(model_dir, prompts_file, tmp_path):
     assert "against the fastest single mode, `off T=0`" in result.output and "; by prompt: " in result.output
 
 
+def test_bench_measures_k_as_the_chat_does_over_all_of_a_configurations_runs(model_dir, prompts_file, tmp_path):
+    """--draft-len 2,auto: beside K=2, a configuration with K measured (the chat's -k auto, from its start K), one
+    measurement carried from run to run: 3 counted rounds a run, so only a carried one reaches MeasuredK's 4 rounds
+    before it chooses. Exact: its greedy replies are plain decoding's."""
+    out = tmp_path / "measured"
+    result = invoke(
+        "--target", model_dir, "--draft", model_dir, "--device", "cpu", "--dtype", "float32", "--modes", "off,draft",
+        "--draft-len", "2,auto", "--temperature", "0", "--prompts", prompts_file, "--max-new-tokens", "16", "--repeat", "2",
+        "--verify-samples", "0", "--out", out,
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["draft_lens"] == [2] and data["settings"]["measured_k"] is True
+    assert {c["config"] for c in data["configs"]} == {"off T=0", "draft K=2 T=0", "draft K=auto T=0"}
+    measured = next(c for c in data["configs"] if c["config"] == "draft K=auto T=0")
+    assert measured["k_measured"] is True and measured["k"] == 4
+    assert set(measured["k_chosen"]) == {"draft"} and 1 <= measured["k_chosen"]["draft"] <= 12
+    assert not next(c for c in data["configs"] if c["config"] == "draft K=2 T=0")["k_measured"]
+    assert data["checks"]["greedy_identity"] == {"verdict": "pass", "compared": 8, "failures": []}
+    assert "draft K=auto T=0: K measured per mode as the chat's `-k auto` (from 4)" in result.output
+    assert (out / "speedup.png").exists() or "pip install" in result.output
+
+
 def test_bench_learnt_starts_auto_from_earlier_sessions_and_saves_its_own(model_dir, prompts_file, tmp_path, monkeypatch):
     """--learnt: auto loads and saves the state folder's rates, as the chat does; without it a bench learns nothing."""
     monkeypatch.setenv("SPECCHAT_STATE_DIR", str(tmp_path / "state"))
@@ -264,22 +287,29 @@ def test_paired_ratio_and_greedy_identity_failure():
 
 def test_auto_is_paired_with_the_fastest_exact_single_mode_at_its_k_and_temperature():
     def row(config, mode, t, speedup, exact=True, peer=False):
-        k = 0 if mode == "off" else int(config.split("K=")[1].split()[0])
-        return {"config": config, "mode": mode, "k": k, "temperature": t, "speedup": speedup, "exact": exact, "peer": peer}
+        measured = "K=auto" in config
+        k = 0 if mode == "off" else 4 if measured else int(config.split("K=")[1].split()[0])
+        return {"config": config, "mode": mode, "k": k, "k_measured": measured, "temperature": t, "speedup": speedup,
+                "exact": exact, "peer": peer}
 
     def run(config, prompt, tps):
         return {"config": config, "prompt": prompt, "repeat": 0, "tokens_per_s": tps}
 
     rows = [row("off T=0", "off", 0.0, 1.0), row("quant K=4 T=0", "quant", 0.0, 1.7), row("head K=4 T=0", "head", 0.0, 1.2),
             row("quant K=4 T=0 typical", "quant", 0.0, 2.5, exact=False), row("hf-assisted K=4 T=0", "hf-assisted", 0.0, 3.0, peer=True),
-            row("suffix K=4 T=0.7", "suffix", 0.7, 9.0), row("quant K=8 T=0", "quant", 0.0, 1.9), row("auto K=4 T=0", "auto", 0.0, 1.6)]
+            row("suffix K=4 T=0.7", "suffix", 0.7, 9.0), row("quant K=8 T=0", "quant", 0.0, 1.9),
+            row("quant K=auto T=0", "quant", 0.0, 2.2), row("auto K=4 T=0", "auto", 0.0, 1.6)]
     runs = [run("quant K=4 T=0", "a", 50.0), run("quant K=4 T=0", "b", 40.0),
             run("auto K=4 T=0", "a", 45.0), run("auto K=4 T=0", "b", 48.0)]
-    # neither an approximate rule, a peer, another K nor another temperature is auto's rival; quant at K=4 is, paired
-    # prompt by prompt
+    # neither an approximate rule, a peer, another K (measured or not) nor another temperature is auto's rival; quant at
+    # K=4 is, paired prompt by prompt
     assert runner.against_best(rows, rows[-1], runs) == {"config": "quant K=4 T=0", "ratio": pytest.approx((0.9 + 1.2) / 2),
                                                           "by_prompt": {"a": pytest.approx(0.9), "b": pytest.approx(1.2)}}
     assert runner.against_best([rows[-1]], rows[-1], runs) is None
+    # auto with K measured races the modes with K measured (and plain decoding)
+    measured_auto = row("auto K=auto T=0", "auto", 0.0, 1.6)
+    runs += [run("quant K=auto T=0", "a", 60.0), run("auto K=auto T=0", "a", 54.0)]
+    assert runner.against_best(rows[:-1] + [measured_auto], measured_auto, runs)["config"] == "quant K=auto T=0"
 
 
 def test_autos_time_by_mode_counts_the_rounds_after_the_first():
@@ -314,6 +344,7 @@ def no_loading(monkeypatch):
         (["--prompts", "/nonexistent/prompts.jsonl"], "cannot read prompts file"),
         (["--draft-len", "2,zero"], "--draft-len"),
         (["--draft-len", "0"], "--draft-len"),
+        (["--draft-len", "2,often"], "positive integers or auto"),
         (["--temperature", "-1"], "--temperature"),
         (["--accept", "sloppy"], "unknown acceptance rule"),
         (["--verify-samples", "5"], "--verify-samples"),

@@ -50,7 +50,7 @@ def test_the_commands_click_defaults_are_the_tables():
                                              d.top_p, d.seed, d.max_new_tokens)
     assert DEFAULTS["chat"].measured_k and DEFAULTS["generate"].measured_k and not DEFAULTS["verify"].measured_k
     shown = {p.name: p.default for p in bench.params}
-    assert shown["draft_lens"] == "2,4,8" and shown["temperatures"] == "0"
+    assert shown["draft_lens"] == "2,4,8,auto" and shown["temperatures"] == "0" and DEFAULTS["bench"].measured_k
     assert (shown["seed"], shown["max_new_tokens"]) == (DEFAULTS["bench"].seed, DEFAULTS["bench"].max_new_tokens)
     shown = {p.name: p.default for p in tune.params}
     assert (shown["seed"], shown["max_new_tokens"]) == (DEFAULTS["tune"].seed, DEFAULTS["tune"].max_new_tokens)
