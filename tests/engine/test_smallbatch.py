@@ -26,9 +26,9 @@ def test_the_kernel_builds_where_there_is_a_compiler():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
 def test_every_function_with_the_int8_products_prefetches_its_weights():
     """GCC takes a prefetch for an instruction without effects: in a helper it leaves out of line, the calls are
-    dropped, and no result changes (81bf899 lost every prefetch of the interleaved-row kernels so: a Qwen 1.5B step
-    took 1.2x the time on Zen 3). So the built library is read back: each function with the SIMD int8 products
-    (AVX2's vpmaddubsw, VNNI's vpdpbusd) must prefetch."""
+    dropped, and no result changes (81bf899 lost every prefetch of the interleaved-row kernels so, unseen until a
+    step was timed against one without arithmetic: RESULTS 49). So the built library is read back: each function
+    with the SIMD int8 products (AVX2's vpmaddubsw, VNNI's vpdpbusd) must prefetch."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", smallbatch._lib._name], capture_output=True, text=True,
                              check=True).stdout
     functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
