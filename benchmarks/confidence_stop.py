@@ -1,12 +1,13 @@
 """Mode draft with a fixed K against drafts that stop when the draft's confidence drops (its top probability below
 p_min, llama.cpp's --draft-p-min; AdaptiveK with k_min = k_max = K carries it) and against K measured
-(`MeasuredK`), on the lean engine.
+(`MeasuredK`), and against a draft whose LM head scores only its lowest ids (`--draft-vocab`), on the lean engine.
 
-    python benchmarks/confidence_stop.py [--target FILE.gguf] [--draft FILE.gguf] [--configs k3,k4,k6p0.5,m4]
+    python benchmarks/confidence_stop.py [--target FILE.gguf] [--draft FILE.gguf] [--configs k3,k4,k6p0.5,m4,m4v65536]
         [--temperature 0] [--reps 2] [--tokens 96]
 
 Configurations `kN` (fixed K = N), `kNpP` (up to N drafts while the top probability is >= P) and `mN` (K measured,
-from N; one MeasuredK for all of the configuration's replies, as a chat session keeps it), and plain decoding,
+from N; one MeasuredK for all of the configuration's replies, as a chat session keeps it), each with `vV` appended
+for `--draft-vocab V`, and plain decoding,
 answer every held-out prompt in turn (the order alternating); prints each one's median decode tokens/s over plain
 decoding's (per prompt and repetition), acceptance, drafts a round, and whether greedy replies matched.
 """
@@ -52,8 +53,8 @@ def main() -> None:
     draft = load_model(args.draft, cpu, torch.float32, engine="lean")
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     sampling = SamplingParams(temperature=args.temperature, top_p=0.9) if args.temperature else SamplingParams(0.0)
-    configs = {"off": (0, None)} | {c: (int(m[2]), float(m[3]) if m[3] else None)
-                                    for c in args.configs.split(",") if (m := re.fullmatch(r"([km])(\d+)(?:p([\d.]+))?", c))}
+    configs = {"off": (0, None, None)} | {c: (int(m[2]), float(m[3]) if m[3] else None, int(m[4]) if m[4] else None)
+                                          for c in args.configs.split(",") if (m := re.fullmatch(r"([km])(\d+)(?:p([\d.]+))?(?:v(\d+))?", c))}
     measured = {name: MeasuredK(start=configs[name][0], p_min=configs[name][1] or 0.0) for name in configs if name.startswith("m")}
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
     matched = 0
@@ -61,9 +62,10 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             replies = {}
             for name in list(configs)[:: 1 if (i + rep) % 2 == 0 else -1]:
-                k, p_min = configs[name]
+                k, p_min, vocab = configs[name]
                 session = Session(target, draft, mode="draft" if k else "off", k=k or 4, sampling=sampling, seed=rep,
-                                  max_new_tokens=args.tokens, earlier_sessions=False)
+                                  max_new_tokens=args.tokens, earlier_sessions=False,
+                                  mode_options={"draft_vocab": vocab} if vocab else None)
                 if name in measured:
                     session.controls.adaptive = measured[name]
                 elif p_min is not None:

@@ -353,6 +353,19 @@ class GGUFWeights:
         data = self.blocks.numpy()
         return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[self.type]).reshape(self.shape).copy())
 
+    def first_rows(self, n: int) -> "GGUFWeights":
+        """Rows 0..n-1, with no copy: views of the blocks and of the interleaved copy (its first groups of 16 rows hold
+        them; the kernel writes only the rows asked for)."""
+        interleaved = None
+        if self.interleaved is not None:
+            interleaved = self.interleaved[: _fn_pack[1](GGUF_TYPES[self.type], n, self.shape[1])]
+        return GGUFWeights(self.blocks[:n], self.type, (n, self.shape[1]), interleaved)
+
+    def selected(self, ids: list[int]) -> "GGUFWeights":
+        """Rows `ids`, copied (and interleaved where these are)."""
+        rows = GGUFWeights(self.blocks[ids].contiguous(), self.type, (len(ids), self.shape[1]))
+        return rows.packed() if self.interleaved is not None else rows
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [S] dequantised by the gguf package: [S, D] float32 (an embedding looked up in the file)."""
         import gguf
@@ -374,6 +387,16 @@ class GGUFStack:
 
     def float(self) -> torch.Tensor:
         return torch.cat([p.float() for p in self.parts])  # [N, D]
+
+
+def head_rows(w, n: int, extra: list[int]):
+    """An LM head's rows 0..n-1 and then `extra` ([n + len(extra), D]; FR-Spec's restricted head): on a GGUF file's
+    blocks the first n a view and `extra` a small copy, stacked for the kernel; a tensor's, gathered."""
+    if isinstance(w, GGUFWeights):
+        return GGUFStack((w.first_rows(n), w.selected(extra))) if extra else w.first_rows(n)
+    if isinstance(w, torch.Tensor):
+        return w[torch.cat([torch.arange(n), torch.tensor(extra, dtype=torch.long)]).to(w.device)]
+    raise ValueError(f"an LM head of {type(w).__name__} cannot be restricted")
 
 
 def gguf_usable(w: GGUFWeights) -> bool:

@@ -379,3 +379,42 @@ def test_a_draft_on_its_embedding_as_head_gives_greedy_tokens_and_follows_the_ta
         assert {"accepted", "resampled"} <= kinds  # drafts kept and drafts rejected: the two heads differ
     drafter.reset()
     assert_follows_the_runner(TargetState.on_runner(runner, None), runner, None, broken, drafter=drafter)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "q at the wrong temperature from position 3 (control)"])
+@pytest.mark.slow
+def test_a_draft_file_s_restricted_vocabulary_scores_its_lowest_ids_and_end_ids_as_the_whole_head_does(tmp_path, broken):
+    """`--draft-vocab 61` on a draft read in place: its LM head is the file's first 61 rows (a view of the interleaved
+    copy, its last group of 16 rows only partly asked for) and the end id 90 (a copy): those logits are the full
+    head's to the bit, the others -inf; greedy gives plain decoding's tokens, sampled draws of 4 tokens follow the
+    target's conditionals; the control (a q reported at the wrong temperature) fails."""
+    from types import SimpleNamespace
+
+    from test_gguf_kernel import assert_follows_the_runner
+    from support.exact import run
+    from specchat.engine.drafters import build_drafter
+    from specchat.engine.sampling import SamplingParams
+    from specchat.engine.target import TargetState
+
+    write_k_quant_qwen2(tmp_path / "k.gguf", tied=True, embed_type="Q4_0", embed_scale=0.1)
+    runner = load_runner(tmp_path / "k.gguf")
+    target = SimpleNamespace(engine="lean", runner=runner)
+    draft = SimpleNamespace(engine="lean", runner=load_runner(tmp_path / "k.gguf"), eos_ids={90, 5})
+    drafter = build_drafter("draft", target, draft, draft_vocab=61)
+    assert drafter.vocab_ids.tolist() == [*range(61), 90]  # 5 is among the lowest ids already
+    head = drafter.lean.head_w
+    assert isinstance(head, GGUFStack) and head.parts[0].interleaved.data_ptr() == draft.runner.head_w.interleaved.data_ptr()
+    if not broken:
+        whole = build_drafter("draft", target, draft)
+        feed = [3, 17, 42, 5, 88]
+        full, part = whole.next_logits(feed, 96), drafter.next_logits(feed, 96)
+        outside = torch.ones(96, dtype=torch.bool).index_fill_(0, drafter.vocab_ids, False)
+        assert torch.equal(part[drafter.vocab_ids], full[drafter.vocab_ids]) and (part[outside] == -torch.inf).all()
+        drafter.reset()
+        replies = {}
+        for mode, source in (("off", build_drafter("off", target)), ("draft", drafter)):
+            replies[mode], records = run(None, source, [1, 2, 3], k=3, params=SamplingParams(0.0), max_new_tokens=40,
+                                         state=TargetState.on_runner(runner, None))
+        assert replies["draft"] == replies["off"] and sum(r.accepted for r in records) > 0
+        drafter.reset()
+    assert_follows_the_runner(TargetState.on_runner(runner, None), runner, None, broken, drafter=drafter)

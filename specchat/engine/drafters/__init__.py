@@ -54,7 +54,8 @@ def build_drafter(mode: str, target, draft=None, **options) -> Drafter:
     if mode == "draft" and draft is not None and on_lean(target) != on_lean(draft):
         raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on --engine lean")
     if mode == "draft" and draft is not None and on_lean(draft):  # a GGUF file read in place too
-        return ModelDrafter.on_runner(draft_runner(draft.runner))
+        vocab = options.get("draft_vocab")
+        return ModelDrafter.on_runner(draft_runner(draft.runner), vocab=vocab, eos=draft.eos_ids if vocab else set())
     if mode == "draft" and draft is not None and on_llama_cpp(draft):
         raise ModeUnavailable("target and draft must run on the same engine: both .gguf files on llama.cpp, or --engine torch")
     if mode == "auto":  # built from the other modes' drafters

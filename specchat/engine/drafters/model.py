@@ -7,9 +7,9 @@ import torch
 from specchat.engine.cache import KVCache, common_prefix, crop_to, forward_logits, new_cache
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.errors import ModeUnavailable
-from specchat.engine.runner import Runner, lean_runner, rms_norm, unsupported
+from specchat.engine.runner import Runner, lean_runner, unsupported
 from specchat.engine.sampling import argmax, logits_to_probs, sample
-from specchat.engine.smallbatch import linear
+from specchat.engine.smallbatch import head_rows
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -70,23 +70,31 @@ class ModelDrafter(Drafter):
         if vocab is not None:
             if lean is None:
                 raise ValueError("a restricted draft vocabulary needs the lean runner")
-            if not 0 < vocab < lean.vocab_size:
-                raise ModeUnavailable(f"--draft-vocab {vocab}: the draft has {lean.vocab_size} tokens; choose 1..{lean.vocab_size - 1}")
-            eos = {config.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None)))
-            ends = sorted(i for i in eos if isinstance(i, int) and vocab <= i < lean.vocab_size)
-            self.vocab_ids = torch.cat([torch.arange(vocab), torch.tensor(ends, dtype=torch.long)]).to(lean.device)
-            self.head_w = lean.head_w[self.vocab_ids]  # [N, D]: the one copy, N rows of the LM head
+            self.restrict(vocab, {config.eos_token_id} | set(_as_list(getattr(model.generation_config, "eos_token_id", None))))
         self.reset()
 
     @classmethod
-    def on_runner(cls, lean: Runner, stand_in: int = 0) -> "ModelDrafter":
+    def on_runner(cls, lean: Runner, stand_in: int = 0, vocab: int | None = None, eos: set[int] = frozenset()) -> "ModelDrafter":
         """A draft model on a runner with no HF model behind it (a GGUF file read in place, engine/gguf_model.py);
-        `stand_in` is fed for target ids beyond its embedding table."""
+        `stand_in` is fed for target ids beyond its embedding table; `vocab`, `eos`: as `restrict`'s."""
         drafter = cls.__new__(cls)
         drafter.model, drafter.lean, drafter.vocab_ids = None, lean, None
         drafter.embed_size, drafter.stand_in = lean.embed_w.shape[0], stand_in
+        if vocab is not None:
+            drafter.restrict(vocab, eos)
         drafter.reset()
         return drafter
+
+    def restrict(self, vocab: int, eos: set) -> None:
+        """Score only the ids below `vocab` and the end ids `eos` above them: the runner's LM head becomes those rows
+        (smallbatch.head_rows: on a GGUF file's blocks the first `vocab` rows are a view, not a copy)."""
+        lean = self.lean
+        if not 0 < vocab < lean.vocab_size:
+            raise ModeUnavailable(f"--draft-vocab {vocab}: the draft has {lean.vocab_size} tokens; choose 1..{lean.vocab_size - 1}")
+        ends = sorted(i for i in eos if isinstance(i, int) and vocab <= i < lean.vocab_size)
+        self.vocab_ids = torch.cat([torch.arange(vocab), torch.tensor(ends, dtype=torch.long)]).to(lean.device)  # [N]
+        self.lean = lean.with_matrices(lean.blocks, head_rows(lean.head_w, vocab, ends))
+        self.head_w = self.lean.head_w  # [N, D]
 
     def reset(self) -> None:
         self.cache = self.lean.new_cache() if self.lean is not None else new_cache(self.model)
@@ -119,15 +127,15 @@ class ModelDrafter(Drafter):
         feed = [t if t < self.embed_size else self.stand_in for t in feed]
         if self.lean is None:
             return align_vocab(forward_logits(self.model, self.cache, feed, keep=1)[-1], vocab_size)
-        if self.vocab_ids is None:  # the whole step in one C call where it runs (the last layer's output not kept)
-            rows = torch.empty(len(feed), self.lean.norm_w.shape[0], dtype=self.lean.dtype, device=self.lean.device)
-            logits = self.lean.forward_into(feed, self.cache, len(self.cached), 1, rows)  # [1, V] or None
-            if logits is not None:
-                return align_vocab(logits[-1], vocab_size)
-        hidden = self.lean.run(self.lean.embed(feed), range(self.lean.n_layers), self.cache, len(self.cached))[:, -1:]  # [1, 1, D]
+        # the whole step in one C call where it runs (the last layer's output not kept)
+        rows = torch.empty(len(feed), self.lean.norm_w.shape[0], dtype=self.lean.dtype, device=self.lean.device)
+        scores = self.lean.forward_into(feed, self.cache, len(self.cached), 1, rows)  # [1, N] or None
+        if scores is None:
+            hidden = self.lean.run(self.lean.embed(feed), range(self.lean.n_layers), self.cache, len(self.cached))[:, -1:]  # [1, 1, D]
+            scores = self.lean.logits(hidden)
         if self.vocab_ids is None:
-            return align_vocab(self.lean.logits(hidden)[-1], vocab_size)
-        scores = linear(rms_norm(hidden, self.lean.norm_w, self.lean.norm_eps), self.head_w)[0, -1]  # [N]
+            return align_vocab(scores[-1], vocab_size)
+        scores = scores[-1]  # [N]: the restricted head's rows, in vocab_ids' order
         logits = torch.full((vocab_size,), float("-inf"), dtype=scores.dtype, device=scores.device)  # [V_target]
         keep = self.vocab_ids < vocab_size  # ids the target cannot emit are never proposed
         return logits.index_put_((self.vocab_ids[keep],), scores[keep])
