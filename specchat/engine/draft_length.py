@@ -33,23 +33,28 @@ class VerifyCosts:
         self.seconds[positions] = seconds if known is None else known + (seconds - known) / 8
 
     def cost(self, positions: int) -> float | None:
-        """Measured; else on the line through the nearest measured below and above (past the longest measured,
-        through the two longest: a cost that grows less than linearly, as both engines' do, is overestimated there,
-        and never above `positions` one-position verifies, which one slow round of two positions would otherwise
-        multiply); else the nearest above, which bounds it; else None."""
-        costs = self.seconds
+        """Measured, but never below a shorter verify's measured cost (more positions never cost less: one noisy
+        round must not make a long verify look cheap); between two measured, on the line through them; past the
+        longest, on the steeper of the lines through the two longest and through the shortest and the longest
+        (two close, noisy points draw any slope, even a falling one), never above `positions` one-position
+        verifies, which one slow round of two positions would otherwise multiply; else the nearest above, which
+        bounds it; else None."""
+        lengths, costs, most = sorted(self.seconds), {}, 0.0
+        for n in lengths:
+            most = costs[n] = max(most, self.seconds[n])
         if positions in costs:
             return costs[positions]
-        above = [n for n in sorted(costs) if n > positions]
-        below = [n for n in sorted(costs) if n < positions]
+        above = [n for n in lengths if n > positions]
+        below = [n for n in lengths if n < positions]
         if above and below:
             a, b = below[-1], above[0]
-        elif len(below) >= 2:
-            a, b = below[-2], below[-1]
-        else:
+            return costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
+        if len(below) < 2:
             return costs[above[0]] if above else None
-        line = costs[a] + (costs[b] - costs[a]) * (positions - a) / (b - a)
-        return min(line, positions * costs[1]) if positions > b and 1 in costs else line
+        first, a, b = below[0], below[-2], below[-1]
+        slope = max((costs[b] - costs[a]) / (b - a), (costs[b] - costs[first]) / (b - first))
+        line = costs[b] + slope * (positions - b)
+        return min(line, positions * costs[1]) if 1 in costs else line
 
 
 @dataclass

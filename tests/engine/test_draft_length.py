@@ -24,7 +24,8 @@ def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown(
     assert costs.cost(7) == pytest.approx(0.07)  # the line through 1 and 5, extended
     costs.add(3, 0.04)
     assert costs.cost(2) == pytest.approx(0.025) and costs.cost(4) == pytest.approx(0.045)
-    assert costs.cost(9) == pytest.approx(0.07)  # through the two longest, 3 and 5: 0.05 + 0.005 * 4
+    # the steeper of the lines through the two longest (3 and 5: 0.005 a position) and through 1 and 5 (0.01)
+    assert costs.cost(9) == pytest.approx(0.09)
     costs.add(1, 0.09)  # averaged: the first counts whole, then each new one 1/8
     assert costs.seconds[1] == pytest.approx(0.02)
 
@@ -37,6 +38,21 @@ def test_an_extended_verify_cost_is_never_above_that_many_one_position_verifies(
     costs.add(2, 0.026)
     assert costs.cost(5) == pytest.approx(0.05)
     assert costs.cost(2) == pytest.approx(0.026)  # what was measured stays as measured
+
+
+def test_a_noisy_verify_cost_never_makes_a_longer_verify_cheaper():
+    """Seen in mode auto on the Qwen pair (2-core Zen 3): suffix rounds measured a 6-position verify below the
+    5-position one; extended through those two, 13 positions cost less than nothing, and K jumped to 12 (a round of
+    1.07 s, ten plain steps). Each cost is at least every shorter one's, and the line past the longest is at least as
+    steep as the one from the shortest."""
+    m = MeasuredK(start=4)
+    m.verify.seconds = {1: 0.095, 2: 0.137, 3: 0.155, 4: 0.125, 5: 0.19, 6: 0.149}
+    costs = [m.verify.cost(n) for n in range(1, 14)]
+    assert costs == sorted(costs) and costs[3] == 0.155 and costs[5] == 0.19  # measured, raised to the shorter ones'
+    assert costs[12] == pytest.approx(0.19 + 7 * (0.19 - 0.095) / 5)
+    alphas = [0.72, 0.65, 0.93, 0.8, 0.87] + [0.8] * 7
+    m.modes["draft"] = ModeRounds([100.0] * 12, [100.0 * a for a in alphas], draft_s=4.15, drafts=100, rounds=MIN_ROUNDS)
+    assert m.choose("draft") == 1
 
 
 def measured(alpha: float, c: float, verify, k_max: int = 12) -> MeasuredK:
