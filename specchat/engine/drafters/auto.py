@@ -16,7 +16,8 @@ which narrows with its rounds by the spread of its own per-round rates) is above
 An arm whose ceiling (Rate.ceiling: its rate had every draft been accepted) is below the leader's rate cannot win
 and is not run until the leader's rate falls below it. Otherwise the leader runs, except that a losing candidate
 runs again after a wait that doubles with each loss (FIRST_WAIT to MAX_WAIT rounds, stretched by `trail`), and the
-incumbent stays unless another is faster by more than HYSTERESIS (switching drafters costs a resync).
+incumbent (the arm it last chose on the rates, not one it ran to measure) stays unless another is faster by more than
+HYSTERESIS (switching drafters costs a resync).
 
 What it remembers (`memory`: store.LearntRates, one file per target, draft, engine, device, dtype, threads and
 machine): every arm's rate and ceiling, so a new session's first reply runs the best known mode. A remembered rate
@@ -226,6 +227,7 @@ class AutoDrafter(Drafter):
         self.rates = self._table(None)
         self.rounds = 0
         self.arm = self.choice = "off"  # the arm and the mode of the latest round
+        self.leader = "off"  # the arm the rates chose last: what HYSTERESIS keeps (a round run to measure leaves it)
         self.ran: str | None = None  # the mode whose drafter ran the latest round (None: caches just reset)
         self.caught_up: str | None = None  # the arm whose latest round only caught up (it runs again, counted)
         self.why = "measuring every mode first"
@@ -328,8 +330,9 @@ class AutoDrafter(Drafter):
             if arm != best and self.rounds - rates[arm].last > rates[arm].wait * self.trail(arm, best):
                 rates[arm].wait = min(2 * rates[arm].wait, MAX_WAIT)
                 return arm, f"re-measuring {arm}"
-        if self.arm in eligible and rates[self.arm].per_s * (1 + HYSTERESIS) >= rates[best].per_s:
-            best = self.arm
+        if self.leader in eligible and rates[self.leader].per_s * (1 + HYSTERESIS) >= rates[best].per_s:
+            best = self.leader
+        self.leader = best
         return best, self.explain(best, eligible)
 
     def trail(self, arm: str, best: str) -> float:
