@@ -93,7 +93,11 @@ class ModelDrafter(Drafter):
             raise ModeUnavailable(f"--draft-vocab {vocab}: the draft has {lean.vocab_size} tokens; choose 1..{lean.vocab_size - 1}")
         ends = sorted(i for i in eos if isinstance(i, int) and vocab <= i < lean.vocab_size)
         self.vocab_ids = torch.cat([torch.arange(vocab), torch.tensor(ends, dtype=torch.long)]).to(lean.device)  # [N]
-        self.lean = lean.with_matrices(lean.blocks, head_rows(lean.head_w, vocab, ends))
+        try:
+            head = head_rows(lean.head_w, vocab, ends)
+        except ValueError as e:
+            raise ModeUnavailable(f"--draft-vocab {vocab}: {e}") from None
+        self.lean = lean.with_matrices(lean.blocks, head)
         self.head_w = self.lean.head_w  # [N, D]
 
     def reset(self) -> None:

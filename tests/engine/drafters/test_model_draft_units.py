@@ -328,3 +328,13 @@ def test_a_larger_draft_table_is_cut_to_the_target_vocabulary(draft):
         full = torch.softmax(full_logits(draft, [1, 2, 3])[:8], -1)
         torch.testing.assert_close(p.q[0], full, rtol=1e-4, atol=1e-6)
 
+
+
+def test_a_head_the_restriction_cannot_take_is_refused_in_one_line():
+    from specchat.engine.smallbatch import Int8Weights
+
+    model = tiny_llama(seed=3, layers=1)
+    lean = lean_runner(model)
+    int8 = lean.with_matrices(lean.blocks, Int8Weights.of(lean.head_w))
+    with pytest.raises(ModeUnavailable, match=r"^--draft-vocab 5: an LM head of Int8Weights cannot be restricted$"):
+        ModelDrafter(model, lean=int8, vocab=5)
