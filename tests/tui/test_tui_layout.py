@@ -223,6 +223,21 @@ async def test_the_panel_says_what_auto_runs_and_never_hides_approximate(size):
         assert "why auto runs head" in text and "head is fastest so far: 1.16× plain decoding (22 vs 19 tok/s)" in text
 
 
+@pytest.mark.asyncio
+async def test_while_auto_runs_plain_decoding_the_mode_line_shows_no_k():
+    """Plain decoding drafts nothing, and the K a measured session has for it is only the start K: the line said
+    `mode auto→off  K 4 measured`."""
+    app = RecordingApp(FakeSession())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        for choice, shown in (("off", False), ("head", True)):
+            app.snapshot = dataclasses.replace(app.session.snapshot(), mode="auto", choice=choice, k=4, k_measured=True)
+            app.refresh_panel(retake=False)
+            await pilot.pause()
+            line = str(app.query_one("#mode-line").render())
+            assert f"mode auto→{choice}" in line and ("K 4 measured" in line) == shown, line
+
+
 @pytest.mark.parametrize("k", [4, 16])
 def test_why_auto_runs_plain_decoding_is_said_in_words_within_its_six_lines(k):
     """Where plain decoding wins, the panel says what auto measured, what a round must give to pay on this machine

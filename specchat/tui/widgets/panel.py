@@ -255,9 +255,11 @@ class StatsPanel(VerticalScroll, can_focus=False):
             capped = f" (≤{snapshot.draft_len} on a long match)"
         auto = mode == "auto"
         running = f"→{snapshot.choice}" if auto and snapshot.choice else ""
-        # two short lines (38 columns at least): the mode and K, then the rule and sampling (or a switch under way)
-        line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), ("  K ", "dim"), (str(snapshot.k), "bold"),
-                             (" measured" if snapshot.k_measured else "", "dim"), (capped, "dim"), "\n")
+        # two short lines (38 columns at least): the mode and K (none while auto runs plain decoding: it drafts
+        # nothing, and the K it would show is the start K), then the rule and sampling (or a switch under way)
+        k = () if auto and snapshot.choice == "off" else (("  K ", "dim"), (str(snapshot.k), "bold"),
+                                                           (" measured" if snapshot.k_measured else "", "dim"), (capped, "dim"))
+        line = Text.assemble(("mode ", "dim"), (mode, "bold"), (running, "bold"), *k, "\n")
         line.append_text(Text.assemble((exact, "dim"), "  ", (f"switching to {pending}…", "italic") if pending else how))
         self.query_one("#mode-line", Static).update(line, layout=False)
         if running:  # the rest of the panel is about the mode auto runs now
