@@ -9,7 +9,8 @@ What it measures: per arm (a mode; suffix has one per match length) and sampling
 engine time (draft + verify), exponentially weighted; an estimate weighs half as much against a new round for every
 DECAY rounds its arm went unmeasured, so a change of load reaches it at once. A round counts its expected tokens
 (RoundRecord.expected_tokens: less noisy than the one draw); one that drafted nothing, as a plain step at its mode's
-cost; a cached drafter's catching-up round (`Drafter.catches_up`), a switching cost, not at all.
+cost; a cached drafter's catching-up round (`Drafter.catches_up`: its first after another mode's, and a reply's
+first, which feeds it the new prompt), a switching cost, not at all.
 
 How it chooses: every candidate runs MIN_ROUNDS counted rounds, then up to WARMUP while its upper bound (Rate.upper,
 which narrows with its rounds by the spread of its own per-round rates) is above the leader's rate: a UCB-style race.
@@ -317,8 +318,8 @@ class AutoDrafter(Drafter):
                           and (arm == best or rates[arm].ceiling >= rates[best].per_s)]
         warming = [arm for arm in run_to_measure if rates[arm].rounds < MIN_ROUNDS]
         if warming:  # after a prefill, an arm whose round then counts: one that drafts, on a cache it need not catch up
-            counted = [arm for arm in warming if self.arm_mode[arm] != "off" and (
-                not getattr(self.candidates[self.arm_mode[arm]], "catches_up", False) or self.arm_mode[arm] == self.ran)]
+            counted = [arm for arm in warming if self.arm_mode[arm] != "off"
+                       and not getattr(self.candidates[self.arm_mode[arm]], "catches_up", False)]
             return (counted[0] if prefilled and counted else warming[0]), "measuring every mode first"
         rates[best].wait = FIRST_WAIT  # the leader: watched closely again once it loses the lead
         if self.caught_up in eligible and self.caught_up != best:
@@ -364,7 +365,9 @@ class AutoDrafter(Drafter):
             self.suffix_draft_s += (record.draft_s - self.suffix_draft_s) / 8
         self.score_shadows([event.id for event in record.tokens], ended=record.stop_reason is not None)
         drafter = self.candidates.get(record.mode)
-        catching_up = getattr(drafter, "catches_up", False) and record.mode != self.ran
+        # a reply's first round feeds a cached drafter the new prompt (the target prefilled it), whatever ran before
+        fresh = record.mode != self.ran or (record.index == 0 and record.draft_len > 0)
+        catching_up = getattr(drafter, "catches_up", False) and fresh
         self.ran = record.mode
         self.caught_up = self.arm if catching_up else None
         if catching_up:  # its draft time includes feeding what it missed: not this mode's cost per round

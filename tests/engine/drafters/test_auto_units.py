@@ -327,8 +327,8 @@ def test_after_a_prefill_the_warm_up_gives_the_round_to_a_drafting_arm_whose_rou
     auto = auto_with("head", "quant")  # head catches up on a cache of its own: its first round is not counted either
     assert auto.choose([1], prefilled=True) == ("quant", "measuring every mode first")
     assert auto.choose([1], prefilled=False) == ("off", "measuring every mode first")
-    auto.ran = "head"  # head ran last: its cache is in step, its round counts
-    assert auto.choose([1], prefilled=True)[0] == "head"
+    auto.ran = "head"  # head ran last, but the new prompt is new to its cache: its round 0 catches up, uncounted
+    assert auto.choose([1], prefilled=True)[0] == "quant"
     auto.rates["head"], auto.rates["quant"] = rate(50.0, rounds=2), rate(60.0, rounds=2)
     assert auto.choose([1], prefilled=True)[0] == "off"  # only plain decoding still needs rounds: as before
     drafter = auto.for_round(SimpleNamespace(tokens=[1, 2], head=object()), GREEDY)  # a TargetState right after start()
@@ -542,6 +542,24 @@ def test_a_cached_drafters_first_round_after_another_mode_only_catches_up():
     auto.observe(record("off", drafted=0))
     auto.observe(record("off", drafted=0))  # plain decoding has no cache: counted at once, both times
     assert auto.rates["off"].rounds == 2 and auto.caught_up is None and auto.ran == "off"
+
+
+def test_a_cached_drafters_first_round_of_a_reply_only_catches_up_even_after_its_own_rounds():
+    """Seen on the Qwen pair: draft ran the end of one reply, and its first round of the next, which fed the draft
+    model the new prompt (190 ms against ~55), counted as a round of draft: its rate fell from 28 to 24 tok/s,
+    below plain decoding's 27, for the next 40 rounds."""
+    auto = auto_with("draft", "quant")
+    auto.ran = auto.arm = "draft"
+    auto.observe(record("draft", index=3))
+    assert auto.rates["draft"].rounds == 1
+    auto.observe(record("draft", index=0, draft_s=0.15, verify_s=0.04))  # a new reply
+    assert auto.rates["draft"].rounds == 1 and auto.caught_up == "draft"
+    assert auto.rates["draft"].catch_up_s == pytest.approx(0.19)
+    auto.observe(record("draft", index=0, drafted=0, draft_len=0))  # no drafts asked for: nothing fed
+    assert auto.rates["draft"].rounds == 1 and auto.caught_up is None  # (round 0 without drafts: the prefill's token)
+    auto.arm = "quant"
+    auto.observe(record("quant", index=0))  # on the target's cache: nothing to catch up on
+    assert auto.rates["quant"].rounds == 1
 
 
 def test_only_round_zero_without_drafts_is_skipped():
