@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -231,11 +232,14 @@ class Memory:
 
 
 def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps: int, rng: random.Random,
-                   memory: Memory | None = None):
+                   memory: Memory | None = None, measured_k: int = 0, k_memory: Memory | None = None):
     """One session asked the replies' prompts in `order`, `reps` times: per reply (pass, index), decode tokens/s
     (every token but the prefill's over every round's time, as auto_pairs.py counts) and the rounds by mode. auto starts from what `memory` holds
-    and saves its rates there after every reply, as a session does."""
+    and saves its rates there after every reply, as a session does. `measured_k` > 0: K measured (`-k auto`) from
+    that start K, up to the recorded K (a round's drafts are the first K of those recorded, their time pro rata),
+    starting from and saving to `k_memory`."""
     from specchat.engine.cache import common_prefix
+    from specchat.engine.draft_length import MeasuredK
     from specchat.engine.drafters.suffix import SuffixDrafter
     from specchat.engine.events import RoundRecord
     from specchat.engine.sampling import SamplingParams
@@ -249,6 +253,9 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
     if mode == "auto":
         chooser = auto_module.AutoDrafter({m: candidates[m] for m in auto_module.CANDIDATES if m in candidates}, memory)
     k, limit = trace.k, trace.limit
+    sizing = MeasuredK(start=min(measured_k, k), k_max=k, memory=k_memory) if measured_k else None
+    # (a version of auto from before it priced a drafting mode by K measured takes no `sizing`)
+    priced = chooser is not None and "sizing" in inspect.signature(chooser.for_round).parameters
     rates, rounds = {}, Counter()
     for rep in range(reps):
         for index in order:
@@ -257,9 +264,12 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
             state = SimpleNamespace(tokens=tokens, head=None)  # (no reset between replies: a session keeps its drafters)
             j, round_index, decode_tokens, decode_s = 0, 0, 0, 0.0
             while j < len(reply):
-                drafter = chooser.for_round(state, greedy) if chooser is not None else candidates[mode]
+                if chooser is None:
+                    drafter = candidates[mode]
+                else:
+                    drafter = chooser.for_round(state, greedy, sizing) if priced else chooser.for_round(state, greedy)
                 name = drafter.name
-                want = max(min(drafter.draft_len(k), limit - j - 1), 0)
+                want = max(min(drafter.draft_len(sizing.k(name) if sizing else k), k if name != "suffix" else limit, limit - j - 1), 0)
                 draft_s = 0.0
                 if name == "off" or want == 0:
                     drafts = []
@@ -286,6 +296,8 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
                                      expected_tokens=float(len(new)))
                 if chooser is not None:
                     chooser.observe(record)
+                if sizing is not None:
+                    sizing.observe(record)
                 decode_tokens += len(new) - (round_index == 0)  # (the first token is the prefill's)
                 decode_s += draft_s + verify_s
                 rounds[name] += 1
@@ -295,6 +307,8 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
             rates[rep, index] = decode_tokens / decode_s if decode_s else float("nan")
             if chooser is not None:
                 chooser.save()
+            if sizing is not None:
+                sizing.save()
     return rates, rounds
 
 
@@ -310,19 +324,22 @@ def replay(args) -> None:
         seeds = {m: random.Random(f"{draw}-{m}") for m in ("auto", *modes)}
         order = list(range(len(trace.replies)))
         random.Random(f"{draw}-order").shuffle(order)  # each draw's session meets another prompt first
-        memory = None
+        memory = k_memory = None
         if learnt is not None:  # an earlier session on other prompts, one pass, its rates kept
-            memory = Memory()
-            replay_session(learnt, "auto", auto_module, list(range(len(learnt.replies))), 1, seeds["auto"], memory)
-        auto_rates, auto_rounds = replay_session(trace, "auto", auto_module, order, args.reps, seeds["auto"], memory)
+            memory, k_memory = Memory(), Memory() if args.measured_k else None
+            replay_session(learnt, "auto", auto_module, list(range(len(learnt.replies))), 1, seeds["auto"], memory,
+                           args.measured_k, k_memory)
+        auto_rates, auto_rounds = replay_session(trace, "auto", auto_module, order, args.reps, seeds["auto"], memory,
+                                                 args.measured_k, k_memory)
         rounds += auto_rounds
         for m in modes:
-            mode_rates, _ = replay_session(trace, m, auto_module, order, args.reps, seeds[m])
+            mode_rates, _ = replay_session(trace, m, auto_module, order, args.reps, seeds[m], measured_k=args.measured_k)
             for key, rate in auto_rates.items():
                 ratios[m][key].append(rate / mode_rates[key])
             first[m][order[0]].append(auto_rates[0, order[0]] / mode_rates[0, order[0]])
     print(f"\n{trace.name}: {len(trace.replies)} replies, K={trace.k}, {trace.limit} tokens at most, {args.reps} passes, "
           f"{args.draws} draws (recorded under load {trace.load[0]:.2f} -> {trace.load[1]:.2f})"
+          + (f"; K measured from {args.measured_k}" if args.measured_k else "")
           + (f"; auto from {args.auto_module}" if args.auto_module else "") + (f"; {' '.join(args.set)}" if args.set else "")
           + (f"; auto starts from the rates of a session on {Path(args.learnt).name}" if learnt else ""))
     print("\n| auto ÷ | geometric mean (all replies) | ± (95%, over draws) | by pass | a session's first reply | "
@@ -355,7 +372,7 @@ def main() -> None:
     rec.add_argument("--prompts", default="benchmarks/heldout-prompts.jsonl", help="JSON lines with a 'prompt' field")
     rec.add_argument("--target", default=None, help="default: the embedded default model (torch engine)")
     rec.add_argument("--draft", default=None, help="a draft model (mode draft)")
-    rec.add_argument("--engine", default="torch", choices=["llama.cpp", "torch"])
+    rec.add_argument("--engine", default="torch", choices=["llama.cpp", "lean", "torch"])
     rec.add_argument("--max-new-tokens", type=int, default=96)
     rec.add_argument("--k", type=int, default=4)
     rec.add_argument("--modes", default="quant,head,draft",
@@ -369,6 +386,8 @@ def main() -> None:
     rep.add_argument("--draws", type=int, default=100)
     rep.add_argument("--learnt", default=None, help="a recording (other prompts, same models) an earlier session ran: "
                      "auto starts from the rates it saved")
+    rep.add_argument("--measured-k", type=int, default=0, help="K measured (-k auto) in every session, from this start "
+                     "K (the chat's: 4) up to the recorded K; 0: the recorded K throughout")
     rep.add_argument("--auto-module", default=None, help="another version of drafters/auto.py to replay")
     rep.add_argument("--set", nargs="*", help="auto's constants overridden, e.g. SPREAD=0.3 MIN_ROUNDS=1")
     args = ap.parse_args()
