@@ -131,18 +131,30 @@ class MeasuredK:
     def choose(self, mode: str) -> int:
         """The K with the most expected tokens per second among those whose verify has a cost; the start K until the
         mode has drafted."""
+        return self._best(mode)[0]
+
+    def rate(self, mode: str) -> float | None:
+        """The tokens per second `mode` is expected to give at the K `choose` finds, from all its rounds at any K;
+        None until it has drafted. What auto prices a drafting mode by: its measured rate mixes rounds at every K it
+        ran, a cold start's among them."""
+        return self._best(mode)[1] if mode in self.modes else None
+
+    def _best(self, mode: str) -> tuple[int, float | None]:
         stats = self._rounds(mode)
         if stats.drafts <= 0:
-            return self.start
+            return self.start, None
         c, alphas = stats.draft_s / stats.drafts, stats.acceptance()
-        best, best_rate, tokens, chain = self.start, -1.0, 1.0, 1.0
+        best, best_rate, tokens, chain = self.start, None, 1.0, 1.0
         for k in range(1, self.k_max + 1):
             chain *= alphas[k - 1]
             tokens += chain
             v = self.verify.cost(k + 1)
-            if k >= self.k_min and v is not None and (rate := tokens / (k * c + v)) > best_rate:
+            if k < self.k_min or v is None:
+                continue
+            rate = tokens / (k * c + v)
+            if best_rate is None or rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
 
     def observe(self, record) -> None:
         """Fold a finished round in: which drafts were accepted, what drafting and the verify cost. A reply's last

@@ -137,7 +137,8 @@ def generate(
     t_last = time.perf_counter()
     while produced < limit:
         chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
-        drafter = chooser.for_round(state, params)  # mode auto: the mode it picked; the chat's baseline: a plain round
+        # mode auto: the mode it picked (a drafting mode priced by K measured where K is); the chat's baseline: a plain round
+        drafter = chooser.for_round(state, params, adaptive if isinstance(adaptive, MeasuredK) else None)
         want = drafter.draft_len(adaptive.k(drafter.name) if adaptive else controls.k)
         drafter.p_min = adaptive.p_min if adaptive else 0.0
         # never draft past the token budget (the last token needs no draft); the budget already keeps the verify

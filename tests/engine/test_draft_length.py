@@ -77,6 +77,14 @@ def test_the_choice_is_the_k_with_the_most_expected_tokens_per_second():
     assert measured(0.9, 0.1, lambda n: 1 + 0.5 * (n - 1)).choose("draft") == 2  # 1.9 / 1.6, 2.71 / 2.2, 3.44 / 2.8
 
 
+def test_the_rate_is_the_expected_tokens_per_second_at_the_chosen_k_or_none_before_a_draft():
+    m = measured(0.9, 0.1, lambda n: 1 + 0.25 * (n - 1))  # K = 4 (above): E = 4.0951, a round 4 x 0.1 + 2.0
+    assert m.rate("draft") == pytest.approx(4.0951 / 2.4)
+    assert m.rate("head") is None and "head" not in m.modes  # (asking adds nothing to save)
+    m.observe(record("head", drafted=2, accepted=1, draft_s=0.2, verify_s=1.0, index=0))
+    assert m.rate("head") is None  # a reply's first round: its draft time includes the prompt, not counted
+
+
 def test_k_starts_at_start_then_follows_the_choice_with_a_neighbour_every_explore_rounds():
     m = MeasuredK(start=3, k_max=8)
     assert m.k("draft") == 3 and m.k("head") == 3

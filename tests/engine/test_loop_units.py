@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.drafters.base import Drafter, Proposal
 from specchat.engine.drafters.baseline import InBandBaseline
 from specchat.engine.acceptance import EXACT
@@ -256,7 +257,7 @@ def test_the_baseline_counts_only_rounds_that_did_not_run_plain_and_passes_every
             super().__init__("picker")
             self.picks, self.seen = picks, []
 
-        def for_round(self, state, params):
+        def for_round(self, state, params, sizing=None):
             return self.picks.pop(0)
 
         def observe(self, record):
@@ -328,8 +329,8 @@ class Recording(Scripted):
         super().__init__(**kw)
         self.calls = []
 
-    def for_round(self, state, params):
-        self.calls.append(("for_round", state, params))
+    def for_round(self, state, params, sizing=None):
+        self.calls.append(("for_round", state, params, sizing))
         return self
 
     def propose(self, state, k, params, generator):
@@ -363,13 +364,23 @@ def test_the_loop_hands_its_parts_the_state_the_sampling_and_the_runs_generator(
         assert kinds[:3] == ["for_round", "propose", "observe"] and kinds.count("for_round") == len(recs)
         for call in drafter.calls:
             if call[0] == "for_round":
-                assert call[1] is state and call[2] is params
+                assert call[1] is state and call[2] is params and call[3] is None  # a fixed K: nothing to price by
             elif call[0] == "propose":
                 assert call[1] is state and call[2] is params and call[3] is gen
         observed = [c[1] for c in drafter.calls if c[0] == "observe"]
         assert len(observed) == len(recs) and all(a is b for a, b in zip(observed, recs))
         assert rule.calls and all(g is gen and greedy is params.greedy for g, greedy in rule.calls)
         assert {r.exact for r in recs} == {False}
+
+
+def test_the_loop_hands_the_chooser_the_measured_k_that_sizes_its_rounds():
+    """auto prices its drafting modes by K measured (drafters/auto.py `price`); HF's schedule is no such measure."""
+    for adaptive, handed in ((MeasuredK(start=2), True), (AdaptiveK(start=2), False)):
+        drafter = Recording(wrong_at=1)
+        controls = Controls(drafter, k=2, sampling=GREEDY, adaptive=adaptive)
+        list(generate(CounterState(), [0], controls, max_new_tokens=6, eos_ids=set()))
+        sizes = [call[3] for call in drafter.calls if call[0] == "for_round"]
+        assert sizes and all(s is (adaptive if handed else None) for s in sizes)
 
 
 def test_a_sampled_reply_depends_only_on_the_runs_generator():

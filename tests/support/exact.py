@@ -21,9 +21,9 @@ PROMPT = [1, 2, 3]
 ALPHA = 1e-3  # with fixed seeds the outcome is deterministic; alpha bounds the chance a correct rule fails
 
 
-def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None):
+def run(target, drafter, prompt, *, k, params, max_new_tokens, seed=0, rule=None, state=None, adaptive=None):
     state = state or target_state(target)
-    controls = Controls(drafter, k=k, sampling=params, **({"rule": rule} if rule else {}))
+    controls = Controls(drafter, k=k, sampling=params, adaptive=adaptive, **({"rule": rule} if rule else {}))
     generator = torch.Generator().manual_seed(seed)
     records = list(generate(state, prompt, controls, max_new_tokens=max_new_tokens, eos_ids=set(), generator=generator))
     return [t.id for r in records for t in r.tokens], records

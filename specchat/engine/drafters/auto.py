@@ -47,6 +47,7 @@ from specchat.engine.errors import ModeUnavailable
 
 CANDIDATES = ("off", "suffix", "head", "quant", "draft")  # in the order their first rounds run
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
+PRICED = ("head", "quant", "draft")  # priced by K measured where K is measured (`price`); suffix by its shadows
 MIN_ROUNDS = 2  # counted rounds every candidate runs before the choice starts
 WARMUP = 6  # a candidate that could still beat the leader is measured up to this many rounds
 SPREAD = 0.5  # the widest spread of a rate's bound, used until two rounds tell (per-round CV reaches 0.8-0.9)
@@ -82,6 +83,7 @@ class Rate:
     round_ceiling: float = 0.0  # the same of each round's ceiling (most / seconds): its timing alone varies
     round_ceiling_sq: float = 0.0
     ceiling_cv: float = SPREAD  # the ceiling's spread until two rounds of this session tell (remembered: as saved)
+    expected: float | None = None  # a drafting mode's rate as K measured expects it at the K it runs next (`price`)
 
     @classmethod
     def remembered(cls, entry: dict, now: float) -> "Rate | None":
@@ -127,6 +129,9 @@ class Rate:
 
     @property
     def per_s(self) -> float:
+        """Tokens per second: K measured's expectation where there is one, else its rounds' (what is saved)."""
+        if self.expected is not None:
+            return self.expected
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
@@ -278,9 +283,10 @@ class AutoDrafter(Drafter):
         """Rounds behind the current setting's rates: (from earlier sessions, this session's)."""
         return sum(r.earlier for r in self.rates.values()), sum(r.live for r in self.rates.values())
 
-    def for_round(self, state, params) -> Drafter:
+    def for_round(self, state, params, sizing=None) -> Drafter:
         self.rounds += 1
         self.rates = self._table(params)
+        self.price(sizing)
         if len(state.tokens) != self.next_position:  # a new prompt, or a rewind: what follows the shadows is unknown
             self.shadows = []
         self.next_position = len(state.tokens)
@@ -294,6 +300,15 @@ class AutoDrafter(Drafter):
             if drafts:
                 self.shadows.append(Shadow(self.matched, self.rates, drafts))
         return self.candidates[self.choice]
+
+    def price(self, sizing) -> None:
+        """With K measured (`sizing`: the loop's MeasuredK), a drafting mode is priced at what K measured's model
+        expects of it at the K it will run, from its rounds at every K. Its own rounds' rate mixes Ks: a cold start's
+        4 rounds at the start K priced the draft model below plain decoding on a CPU where K=1 beats plain decoding
+        (Zen 3, the Qwen pair), and the race left it for 16 rounds or more."""
+        for arm, mode in self.arm_mode.items():
+            if mode in PRICED:
+                self.rates[arm].expected = sizing.rate(mode) if sizing is not None else None
 
     def match_arm(self, tokens: list[int]) -> str | None:
         """The suffix drafter's arm for this context (by how long its match is), or None when it has no match."""

@@ -47,9 +47,10 @@ class Drafter:
         drafts and whose drafts cost nothing (suffix: as many as its match supports)."""
         return k
 
-    def for_round(self, state: Target, params: SamplingParams) -> "Drafter":
+    def for_round(self, state: Target, params: SamplingParams, sizing=None) -> "Drafter":
         """The drafter that runs the next round: itself, except for a mode that chooses among others (auto) and the
-        chat's in-band baseline around a mode (baseline.py)."""
+        chat's in-band baseline around a mode (baseline.py). `sizing`: the loop's draft_length.MeasuredK when K is
+        measured (auto prices its drafting modes by it), else None."""
         return self
 
     def observe(self, record) -> None:

@@ -36,8 +36,8 @@ class InBandBaseline(Drafter):
     def name(self) -> str:
         return self.drafter.name
 
-    def for_round(self, state, params) -> Drafter:
-        drafter = self.drafter.for_round(state, params)
+    def for_round(self, state, params, sizing=None) -> Drafter:
+        drafter = self.drafter.for_round(state, params, sizing)
         if not self.every or drafter is self.plain:
             return drafter
         self.since += 1

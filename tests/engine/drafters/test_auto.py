@@ -9,6 +9,7 @@ import pytest
 from support.models import bigram_draft
 from support.exact import assert_verdict, PROMPT, run, sample_and_fit, SAMPLING_CASES
 from support.broken import ResampleFromP, WrongTemperatureFrom
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.auto import (CV_FLOOR, DECAY, FIRST_WAIT, HALF_LIFE_DAYS, MAX_TRAIL, MAX_WAIT, MIN_ROUNDS,
                                            REMEMBERED_WAIT, WARMUP, WINDOW, AutoDrafter, Rate)
@@ -364,6 +365,16 @@ def test_greedy_with_the_real_choice(tiny_target, tiny_draft):
     assert set(auto.candidates) == {"off", "suffix", "quant", "draft"}  # no head for a random model
     out, records = run(tiny_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
     assert out == plain and {r.mode for r in records} >= {"off", "draft"}
+
+
+def test_greedy_with_the_real_choice_under_k_measured(tiny_target, tiny_draft):
+    """The loop hands auto the MeasuredK that sizes its rounds, and auto prices its drafting modes by it."""
+    plain, _ = run(tiny_target, PlainDecoding(), PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80)
+    auto, sizing = build_drafter("auto", tiny_target, tiny_draft), MeasuredK(start=3)
+    out, records = run(tiny_target, auto, PROMPT, k=3, params=SamplingParams(0), max_new_tokens=80, adaptive=sizing)
+    assert out == plain and {r.mode for r in records} >= {"off", "draft"}
+    assert sizing.rate("draft") is not None and auto.rates["draft"].per_s == sizing.rate("draft")
+    assert auto.rates["off"].expected is None  # plain decoding: its own rounds
 
 
 BUGS = {  # broken variants that must fail at the settings the exact rotation passes

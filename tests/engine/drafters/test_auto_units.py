@@ -481,6 +481,22 @@ def test_a_round_run_to_re_measure_an_arm_does_not_make_it_the_incumbent():
     assert auto.choose([1])[0] == "draft"  # 17 < 16.2 x 1.05, but off only ran to be measured
 
 
+def test_with_k_measured_a_drafting_arm_is_priced_at_what_k_measured_expects_of_it():
+    """Seen on the Qwen pair (2-core Zen 3): a cold start's rounds at the start K (4) priced the draft model below plain
+    decoding, where at the K=1 that K measured moved to it beat plain decoding; the race then left it for 16 rounds
+    or more. With K measured (`sizing`), a drafting arm's rate is what K measured expects at the K it will run; an arm
+    K measured knows nothing of yet, and every arm under a fixed K, keep their own rounds' rate."""
+    auto = settled(auto_with("head", "draft"), off=10.0, head=9.0, draft=8.0)
+    state = SimpleNamespace(tokens=[1], head=None)
+    sizing = SimpleNamespace(rate={"draft": 11.0}.get)  # (head: None, it has not drafted)
+    assert auto.for_round(state, GREEDY, sizing) is auto.candidates["draft"]
+    assert [auto.rates[a].per_s for a in ("off", "head", "draft")] == [10.0, 9.0, 11.0]
+    assert auto.why == "draft 11 tok/s vs off 10, head 9"
+    assert auto.for_round(state, GREEDY) is auto.candidates["off"]  # a fixed K: 8 and 9 against 10
+    assert auto.rates["draft"].per_s == 8.0
+    assert auto.rates["draft"].saved()["tokens"] == 8.0  # what is saved is its own rounds'
+
+
 def test_the_explanation_names_where_the_figures_come_from():
     auto = settled(auto_with("head"), off=100.0, head=200.0)
     auto.rates["off"].earlier, auto.rates["head"].earlier, auto.rates["head"].live = 1200, 34, 5
