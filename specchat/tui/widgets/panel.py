@@ -129,12 +129,12 @@ def positions_text(stats: Stats | None, colour: str = "green", width: int = 16) 
     rates = stats.per_position_acceptance if stats else []
     if not rates:
         return Text("no drafts proposed yet", style="dim")
-    for i, (rate, n) in enumerate(zip(rates, stats.num_draft_tokens_per_pos), start=1):
-        full = round(rate * width)
+    for i, (accepted, n) in enumerate(zip(rates, stats.num_draft_tokens_per_pos), start=1):
+        full = round(accepted * width)
         text.append(f"{i:>2} ")
         text.append("━" * full, style=colour)
         text.append("─" * (width - full), style="dim")
-        text.append(f" {100 * rate:3.0f}% ({n})\n")
+        text.append(f" {100 * accepted:3.0f}% ({n})\n")
     text.rstrip()
     return text
 
