@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 WINDOW = 32  # rounds a mode's estimates average over (exponential weights): acceptance moves with the text
-MIN_ROUNDS = 4  # a mode's rounds at its starting K before K moves
+MIN_ROUNDS = 2  # a mode's rounds at its starting K before K moves: a bad start K costs most in a first reply
 EXPLORE_EVERY = 6  # every this many rounds of a mode, the best K's neighbour runs (below, then above): their costs stay measured
 PRIOR = 2.0  # rounds a_i's prior weighs: the acceptance pooled over every position (an untried one is neither hope nor doom)
 

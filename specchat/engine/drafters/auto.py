@@ -304,7 +304,7 @@ class AutoDrafter(Drafter):
     def price(self, sizing) -> None:
         """With K measured (`sizing`: the loop's MeasuredK), a drafting mode is priced at what K measured's model
         expects of it at the K it will run, from its rounds at every K. Its own rounds' rate mixes Ks: a cold start's
-        4 rounds at the start K priced the draft model below plain decoding on a CPU where K=1 beats plain decoding
+        rounds at the start K priced the draft model below plain decoding on a CPU where K=1 beats plain decoding
         (Zen 3, the Qwen pair), and the race left it for 16 rounds or more."""
         for arm, mode in self.arm_mode.items():
             if mode in PRICED:
