@@ -80,3 +80,13 @@ def test_auto_replayed_from_learnt_rates_starts_with_the_best_mode(replay, tmp_p
     fresh, _ = replay.replay_session(trace, "auto", auto, [0, 1, 2], 1, random.Random(0))
     learnt, rounds = replay.replay_session(trace, "auto", auto, [0, 1, 2], 1, random.Random(0), memory)
     assert learnt[0, 0] > 1.2 * fresh[0, 0]
+
+
+def test_a_replay_with_k_measured_moves_k_within_the_recorded_drafts(replay, tmp_path):
+    """--measured-k: K from MeasuredK, from the start K up to the recorded K (a round drafts the first K recorded).
+    quant's drafts always match: from K=1 (2 tokens a round: 11 rounds a 21-token reply) K measured walks up through
+    the verify lengths it explores, toward the recorded K=4 (5 a round: 5 rounds a reply, as the recorded K runs)."""
+    trace = replay.Trace(recording(tmp_path))
+    _, fixed = replay.replay_session(trace, "quant", auto, [0, 1, 2], 1, random.Random(0))
+    _, measured = replay.replay_session(trace, "quant", auto, [0, 1, 2], 1, random.Random(0), measured_k=1)
+    assert fixed["quant"] == 5 * 3 < measured["quant"] < 11 * 3
