@@ -7,10 +7,12 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
 - `record` decodes each prompt's greedy reply once (plain decoding), then walks along it on the real target state
   and drafters: at every position it times each model drafter's K drafts (quant's int8 copy, a draft model, the
   head), times target verifies of 1..16 positions, and the catching-up of a drafter with a cache of its own after
-  8-64 missed tokens. One JSON file per model pair, engine (--engine torch or llama.cpp) and prompt set.
+  8-64 missed tokens. One JSON file per model pair, engine (--engine torch, lean or llama.cpp) and prompt set.
 - `replay` runs the real AutoDrafter (its module, or another version of it with --auto-module) on that: a round's
   tokens are the drafts that match the reply, plus one; its seconds the draft time recorded at that position (plus
   the catching-up for the tokens the drafter missed) and a verify time drawn from those recorded for its length.
+  With --measured-k START, K is measured as the chat's -k auto measures it (from START up to the recorded K: a
+  round drafts the first K recorded at that position, their time pro rata), in auto and in each single mode alike.
   Each single mode is replayed the same way. One replay is a session asked every prompt in turn, --reps times,
   as benchmarks/auto_pairs.py does live, in an order drawn anew for each replay (so every prompt is the first,
   cold-start reply of some replays); many replays (--draws) average the timing noise out, and the acceptance
@@ -21,6 +23,8 @@ greedy tokens whatever mode runs, so what a round of any mode gives at a positio
     python benchmarks/auto_replay.py record --target q1.5b.gguf --draft q0.5b.gguf \
         --prompts specchat/bench/prompts.jsonl --max-new-tokens 64 --out /tmp/qwen-tuning.json
     python benchmarks/auto_replay.py replay /tmp/qwen-tuning.json --draws 200
+    python benchmarks/auto_replay.py record --engine lean --target ... --draft ... --modes draft --k 8 --out /tmp/k8.json
+    python benchmarks/auto_replay.py replay /tmp/k8.json --measured-k 4 --draws 60
 
 What a replay leaves out, so read its figures as auto's rules on these rounds, not as a live speedup: greedy only
 (at T > 0 the tokens depend on the draws); rounds' times are drawn independently (a load spike lasting several
