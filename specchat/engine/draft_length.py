@@ -39,9 +39,22 @@ class VerifyCosts:
         (two close, noisy points draw any slope, even a falling one), never above `positions` one-position
         verifies, which one slow round of two positions would otherwise multiply; else the nearest above, which
         bounds it; else None."""
+        return self._cost(positions, *self._envelope())
+
+    def costs(self, longest: int) -> list[float | None]:
+        """cost(1) .. cost(longest), the measured costs sorted once (K measured prices every K each round)."""
+        lengths, costs = self._envelope()
+        return [self._cost(n, lengths, costs) for n in range(1, longest + 1)]
+
+    def _envelope(self) -> tuple[list[int], dict[int, float]]:
+        """The measured lengths, sorted, and each one's cost raised to every shorter one's."""
         lengths, costs, most = sorted(self.seconds), {}, 0.0
         for n in lengths:
             most = costs[n] = max(most, self.seconds[n])
+        return lengths, costs
+
+    @staticmethod
+    def _cost(positions: int, lengths: list[int], costs: dict[int, float]) -> float | None:
         if positions in costs:
             return costs[positions]
         above = [n for n in lengths if n > positions]
@@ -143,12 +156,12 @@ class MeasuredK:
         stats = self._rounds(mode)
         if stats.drafts <= 0:
             return self.start, None
-        c, alphas = stats.draft_s / stats.drafts, stats.acceptance()
+        c, alphas, verify = stats.draft_s / stats.drafts, stats.acceptance(), self.verify.costs(self.k_max + 1)
         best, best_rate, tokens, chain = self.start, None, 1.0, 1.0
         for k in range(1, self.k_max + 1):
             chain *= alphas[k - 1]
             tokens += chain
-            v = self.verify.cost(k + 1)
+            v = verify[k]  # a verify of k + 1 positions
             if k < self.k_min or v is None:
                 continue
             rate = tokens / (k * c + v)

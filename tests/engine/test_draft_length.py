@@ -26,6 +26,7 @@ def test_the_verify_cost_is_measured_interpolated_bounded_from_above_or_unknown(
     assert costs.cost(2) == pytest.approx(0.025) and costs.cost(4) == pytest.approx(0.045)
     # the steeper of the lines through the two longest (3 and 5: 0.005 a position) and through 1 and 5 (0.01)
     assert costs.cost(9) == pytest.approx(0.09)
+    assert costs.costs(9) == [costs.cost(n) for n in range(1, 10)]  # (all at once, as K measured asks)
     costs.add(1, 0.09)  # averaged: the first counts whole, then each new one 1/8
     assert costs.seconds[1] == pytest.approx(0.02)
 
