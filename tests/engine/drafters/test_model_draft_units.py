@@ -329,7 +329,6 @@ def test_a_larger_draft_table_is_cut_to_the_target_vocabulary(draft):
         torch.testing.assert_close(p.q[0], full, rtol=1e-4, atol=1e-6)
 
 
-
 def test_a_head_the_restriction_cannot_take_is_refused_in_one_line():
     from specchat.engine.smallbatch import Int8Weights
 
