@@ -154,6 +154,19 @@ def test_a_whole_gguf_passes_the_header_check(tmp_path):
     assert gguf_header.problem(path) is None and gguf_header.read(path).file_type == "F32"
 
 
+def test_a_header_is_read_once_until_its_file_changes(tmp_path):
+    from specchat.engine import gguf_header
+
+    path = write_gguf(tiny_llama(0), tmp_path / "m.gguf")
+    first = gguf_header.read(path)
+    assert gguf_header.read(path) is first  # a start asks for it in several places
+    whole = path.read_bytes()
+    path.unlink()
+    path.write_bytes(whole[:100])  # replaced by a damaged copy: read again, refused
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        gguf_header.read(path)
+
+
 OPTIONS_THAT_CLASH = {
     "draft mode without draft": ["generate", "--prompt", "hi", "--mode", "draft"],
     "system with raw": ["generate", "--prompt", "hi", "--raw", "--system", "be brief"],
