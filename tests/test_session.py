@@ -81,11 +81,11 @@ def test_the_measured_k_keeps_what_it_learnt_for_the_next_session(tiny, monkeypa
     second.measure_k(3)
     measured = second.controls.adaptive
     assert measured.memory.path == saved and measured.verify.seconds == pytest.approx(learnt.verify.seconds)
-    assert measured.modes["draft"].reached == pytest.approx(learnt.modes["draft"].reached)
+    assert measured.settings["greedy"]["draft"].reached == pytest.approx(learnt.settings["greedy"]["draft"].reached)
     assert measured.k("draft") == learnt.choose("draft")  # at once: no rounds at the start K first
     unlearnt = Session(tiny, tiny, mode="draft", sampling=SamplingParams(0), max_new_tokens=16, earlier_sessions=False)
     unlearnt.measure_k(3)
-    assert unlearnt.controls.adaptive.memory is None and unlearnt.controls.adaptive.modes == {}
+    assert unlearnt.controls.adaptive.memory is None and unlearnt.controls.adaptive.settings == {}
     list(unlearnt.reply("hello"))
     assert list((tmp_path / "draft_length").glob("*.json")) == [saved]
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from specchat.engine.sampling_params import SamplingParams, setting_key
+
 WINDOW = 32  # rounds a mode's estimates average over (exponential weights): acceptance moves with the text
 MIN_ROUNDS = 2  # a mode's rounds at its starting K before K moves: a bad start K costs most in a first reply
 EXPLORE_EVERY = 6  # every this many rounds of a mode, the best K's neighbour runs (below, then above): their costs stay measured
@@ -87,7 +89,9 @@ class ModeRounds:
 
 
 class MeasuredK:
-    """K per mode by measured cost (above); the loop asks `k(mode)` before a round and hands it the round after.
+    """K per mode and sampling setting by measured cost (above); the loop asks `k(mode, params)` before a round and
+    hands it the round after. Acceptance depends on the setting (greedy agreement is not T=0.7's sum of min(p, q)),
+    so a mode's rounds are kept per setting; a verify's cost is shared by all.
 
     A mode starts at `start` (the user's -k) and moves once MIN_ROUNDS rounds have measured it; every EXPLORE_EVERY
     rounds it runs a neighbour of its best K, so the verify costs on either side stay measured and the line through
@@ -98,7 +102,7 @@ class MeasuredK:
 
     def __init__(self, start: int = 4, k_min: int = 1, k_max: int = 12, p_min: float = 0.0, memory=None) -> None:
         self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
-        self.modes: dict[str, ModeRounds] = {}
+        self.settings: dict[str, dict[str, ModeRounds]] = {}  # setting_key -> mode -> its rounds
         self.verify = VerifyCosts()
         self.best: dict[str, int] = {}  # mode -> the K the model chose last (what the panel shows as its K)
         self.last_mode: str | None = None  # the mode of the latest round observed
@@ -110,50 +114,55 @@ class MeasuredK:
         """What `save` wrote; anything else (another version's file, a hand edit) is ignored, whole or in part."""
         try:
             verify = {int(n): float(s) for n, s in saved.get("verify", {}).items() if int(n) >= 1 and float(s) > 0}
-            modes = {str(mode): ModeRounds([float(x) for x in m["reached"]][: self.k_max], [float(x) for x in m["accepted"]][: self.k_max],
-                                           float(m["draft_s"]), float(m["drafts"]), min(int(m["rounds"]), MIN_ROUNDS))
-                     for mode, m in saved.get("modes", {}).items()}
+            settings = {str(key): {str(mode): self._recalled(m) for mode, m in modes.items()}
+                        for key, modes in saved.get("settings", {}).items()}
         except (AttributeError, KeyError, TypeError, ValueError):
             return
-        for stats in modes.values():
-            pad = self.k_max - len(stats.reached)
-            stats.reached, stats.accepted = stats.reached + [0.0] * pad, stats.accepted + [0.0] * pad
-        self.verify.seconds, self.modes = verify, modes
+        self.verify.seconds, self.settings = verify, settings
+
+    def _recalled(self, m: dict) -> ModeRounds:
+        """One mode's rounds as `save` wrote them, padded to k_max."""
+        reached, accepted = ([float(x) for x in m[key]][: self.k_max] for key in ("reached", "accepted"))
+        return ModeRounds(reached + [0.0] * (self.k_max - len(reached)), accepted + [0.0] * (self.k_max - len(accepted)),
+                          float(m["draft_s"]), float(m["drafts"]), min(int(m["rounds"]), MIN_ROUNDS))
 
     def save(self) -> None:
         if self.memory is not None:
             self.memory.save({"verify": {str(n): s for n, s in self.verify.seconds.items()},
-                              "modes": {mode: asdict(stats) for mode, stats in self.modes.items() if stats.rounds}})
+                              "settings": {key: {mode: asdict(stats) for mode, stats in modes.items() if stats.rounds}
+                                           for key, modes in self.settings.items()}})
 
-    def _rounds(self, mode: str) -> ModeRounds:
-        if mode not in self.modes:
-            self.modes[mode] = ModeRounds([0.0] * self.k_max, [0.0] * self.k_max)
-        return self.modes[mode]
+    def _rounds(self, mode: str, params: SamplingParams | None) -> ModeRounds:
+        modes = self.settings.setdefault(setting_key(params), {})
+        if mode not in modes:
+            modes[mode] = ModeRounds([0.0] * self.k_max, [0.0] * self.k_max)
+        return modes[mode]
 
-    def k(self, mode: str) -> int:
-        """The K of `mode`'s next round (no side effect but `best`: the panel may ask as well as the loop)."""
-        stats = self._rounds(mode)
+    def k(self, mode: str, params: SamplingParams | None = None) -> int:
+        """The K of `mode`'s next round under `params` (no side effect but `best`: the panel may ask as well as the
+        loop)."""
+        stats = self._rounds(mode, params)
         if stats.rounds < MIN_ROUNDS:
             return self.start
-        best = self.best[mode] = self.choose(mode)
+        best = self.best[mode] = self.choose(mode, params)
         if stats.rounds % EXPLORE_EVERY:
             return best
         neighbour = best - 1 if stats.rounds // EXPLORE_EVERY % 2 else best + 1  # below, then above
         return neighbour if self.k_min <= neighbour <= self.k_max else best
 
-    def choose(self, mode: str) -> int:
+    def choose(self, mode: str, params: SamplingParams | None = None) -> int:
         """The K with the most expected tokens per second among those whose verify has a cost; the start K until the
         mode has drafted."""
-        return self._best(mode)[0]
+        return self._best(mode, params)[0]
 
-    def rate(self, mode: str) -> float | None:
+    def rate(self, mode: str, params: SamplingParams | None = None) -> float | None:
         """The tokens per second `mode` is expected to give at the K `choose` finds, from all its rounds at any K;
         None until it has drafted. What auto prices a drafting mode by: its measured rate mixes rounds at every K it
         ran, a cold start's among them."""
-        return self._best(mode)[1] if mode in self.modes else None
+        return self._best(mode, params)[1] if mode in self.settings.get(setting_key(params), {}) else None
 
-    def _best(self, mode: str) -> tuple[int, float | None]:
-        stats = self._rounds(mode)
+    def _best(self, mode: str, params: SamplingParams | None) -> tuple[int, float | None]:
+        stats = self._rounds(mode, params)
         if stats.drafts <= 0:
             return self.start, None
         c, alphas, verify = stats.draft_s / stats.drafts, stats.acceptance(), self.verify.costs(self.k_max + 1)
@@ -169,10 +178,11 @@ class MeasuredK:
                 best, best_rate = k, rate
         return best, best_rate
 
-    def observe(self, record) -> None:
-        """Fold a finished round in: which drafts were accepted, what drafting and the verify cost. A reply's last
-        round (cut at EOS or the budget) is left out; so is the draft time of a reply's first round and of a mode's
-        first round after another's, which include feeding the draft what it missed (a prompt, other modes' tokens)."""
+    def observe(self, record, params: SamplingParams | None = None) -> None:
+        """Fold a finished round, run under `params`, in: which drafts were accepted, what drafting and the verify
+        cost. A reply's last round (cut at EOS or the budget) is left out; so is the draft time of a reply's first
+        round and of a mode's first round after another's, which include feeding the draft what it missed (a prompt,
+        other modes' tokens)."""
         switched, self.last_mode = record.mode != self.last_mode, record.mode
         if record.stop_reason is not None:
             return
@@ -180,7 +190,7 @@ class MeasuredK:
             self.verify.add(record.drafted + 1, record.verify_s)
         if not record.drafted:  # no drafts (no match, plain decoding): nothing more about K
             return
-        stats = self._rounds(record.mode)
+        stats = self._rounds(record.mode, params)
         keep = 1.0 - 1.0 / WINDOW
         for i in range(self.k_max):
             stats.reached[i] *= keep

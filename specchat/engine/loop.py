@@ -32,10 +32,10 @@ class AdaptiveK:
         self.start, self.k_min, self.k_max, self.p_min = start, k_min, k_max, p_min
         self.ks: dict[str, int] = {}  # mode -> current K
 
-    def k(self, mode: str) -> int:
+    def k(self, mode: str, _params: SamplingParams | None = None) -> int:  # (one K per mode whatever the setting)
         return self.ks.get(mode, self.start)
 
-    def observe(self, record) -> None:
+    def observe(self, record, _params: SamplingParams | None = None) -> None:
         self.update(record.mode, record.drafted, record.accepted)
 
     def update(self, mode: str, drafted: int, accepted: int) -> None:
@@ -139,7 +139,7 @@ def generate(
         chooser, params, rule, adaptive = controls.drafter, controls.sampling, controls.rule, controls.adaptive
         # mode auto: the mode it picked (a drafting mode priced by K measured where K is); the chat's baseline: a plain round
         drafter = chooser.for_round(state, params, adaptive if isinstance(adaptive, MeasuredK) else None)
-        want = drafter.draft_len(adaptive.k(drafter.name) if adaptive else controls.k)
+        want = drafter.draft_len(adaptive.k(drafter.name, params) if adaptive else controls.k)
         drafter.p_min = adaptive.p_min if adaptive else 0.0
         # never draft past the token budget (the last token needs no draft); the budget already keeps the verify
         # inside the context window: state.tokens is the prompt and the `produced` tokens after it
@@ -202,7 +202,7 @@ def generate(
         record.wall_s, t_last = now - t_last, now
         chooser.observe(record)
         if adaptive:
-            adaptive.observe(record)
+            adaptive.observe(record, params)
         produced += len(new)
         round_index += 1
         yield record

@@ -22,3 +22,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def setting_key(params: SamplingParams | None) -> str:
+    """The sampling setting a measured acceptance belongs to (it depends on it), as saved between sessions."""
+    if params is None or params.greedy:
+        return "greedy"
+    return f"T={params.temperature:g} top_k={params.top_k} top_p={params.top_p:g}"

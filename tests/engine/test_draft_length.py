@@ -7,6 +7,9 @@ import pytest
 
 from specchat.engine.draft_length import MIN_ROUNDS, MeasuredK, ModeRounds, VerifyCosts
 from specchat.engine.events import RoundRecord
+from specchat.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(0)
 
 
 def record(mode="draft", *, drafted, accepted, draft_s=0.0, verify_s=0.0, index=1, stop=None):
@@ -52,7 +55,7 @@ def test_a_noisy_verify_cost_never_makes_a_longer_verify_cheaper():
     assert costs == sorted(costs) and costs[3] == 0.155 and costs[5] == 0.19  # measured, raised to the shorter ones'
     assert costs[12] == pytest.approx(0.19 + 7 * (0.19 - 0.095) / 5)
     alphas = [0.72, 0.65, 0.93, 0.8, 0.87] + [0.8] * 7
-    m.modes["draft"] = ModeRounds([100.0] * 12, [100.0 * a for a in alphas], draft_s=4.15, drafts=100, rounds=MIN_ROUNDS)
+    m.settings["greedy"] = {"draft": ModeRounds([100.0] * 12, [100.0 * a for a in alphas], draft_s=4.15, drafts=100, rounds=MIN_ROUNDS)}
     assert m.choose("draft") == 1
 
 
@@ -60,7 +63,7 @@ def measured(alpha: float, c: float, verify, k_max: int = 12) -> MeasuredK:
     """A MeasuredK whose mode "draft" saw acceptance alpha at every position (1000 rounds each: the prior is
     negligible), c seconds a draft and verify(n) seconds a verify of n positions for n = 1..k_max + 1."""
     m = MeasuredK(start=2, k_max=k_max)
-    m.modes["draft"] = ModeRounds([1000.0] * k_max, [1000.0 * alpha] * k_max, draft_s=100 * c, drafts=100, rounds=MIN_ROUNDS)
+    m.settings["greedy"] = {"draft": ModeRounds([1000.0] * k_max, [1000.0 * alpha] * k_max, draft_s=100 * c, drafts=100, rounds=MIN_ROUNDS)}
     for n in range(1, k_max + 2):
         m.verify.add(n, verify(n))
     return m
@@ -81,7 +84,7 @@ def test_the_choice_is_the_k_with_the_most_expected_tokens_per_second():
 def test_the_rate_is_the_expected_tokens_per_second_at_the_chosen_k_or_none_before_a_draft():
     m = measured(0.9, 0.1, lambda n: 1 + 0.25 * (n - 1))  # K = 4 (above): E = 4.0951, a round 4 x 0.1 + 2.0
     assert m.rate("draft") == pytest.approx(4.0951 / 2.4)
-    assert m.rate("head") is None and "head" not in m.modes  # (asking adds nothing to save)
+    assert m.rate("head") is None and "head" not in m.settings["greedy"]  # (asking adds nothing to save)
     m.observe(record("head", drafted=2, accepted=1, draft_s=0.2, verify_s=1.0, index=0))
     assert m.rate("head") is None  # a reply's first round: its draft time includes the prompt, not counted
 
@@ -127,7 +130,7 @@ def test_the_chosen_k_converges_on_simulated_rounds(start, slope):
 def test_acceptance_counts_each_position_reached_and_a_cut_round_nothing():
     m = MeasuredK(start=4, k_max=4)
     m.observe(record(drafted=4, accepted=1))  # draft 1 accepted, draft 2 rejected: 3 and 4 were never judged
-    stats = m.modes["draft"]
+    stats = m.settings["greedy"]["draft"]
     assert stats.reached == [1.0, 1.0, 0.0, 0.0] and stats.accepted == [1.0, 0.0, 0.0, 0.0]
     m.observe(record(drafted=4, accepted=4, stop="eos"))  # the reply's last round: cut, left out
     m.observe(record(drafted=0, accepted=0))  # no drafts: nothing about K
@@ -142,7 +145,7 @@ def test_draft_time_that_includes_catching_up_is_left_out():
     m.observe(record("off", drafted=0, accepted=0))
     m.observe(record(drafted=2, accepted=2, draft_s=3.0))  # back from another mode
     m.observe(record(drafted=2, accepted=2, draft_s=0.2))
-    stats = m.modes["draft"]
+    stats = m.settings["greedy"]["draft"]
     assert stats.draft_s / stats.drafts == pytest.approx(0.1)
     assert stats.rounds == 4  # their acceptance and verify still count
 
@@ -155,7 +158,7 @@ def test_every_mode_s_rounds_price_the_verify_and_plain_rounds_give_a_one_positi
     m.observe(record("off", drafted=0, accepted=0, verify_s=1.0))
     m.observe(record("draft", drafted=4, accepted=4, verify_s=2.0))
     assert m.verify.seconds == {1: 1.0, 5: 2.0}
-    assert m.verify.cost(3) == pytest.approx(1.5) and "off" not in m.modes  # plain rounds teach nothing else about K
+    assert m.verify.cost(3) == pytest.approx(1.5) and "off" not in m.settings["greedy"]  # plain rounds teach nothing else about K
 
 
 class Memory:
@@ -181,8 +184,30 @@ def test_a_new_session_starts_from_what_the_last_one_measured_and_ignores_a_fore
     assert m.choose("draft") == 1
     again = MeasuredK(start=4, memory=memory)
     assert again.k("draft") == 1 and again.verify.seconds == pytest.approx(m.verify.seconds)
-    for foreign in ({"modes": {"draft": {"reached": "x"}}}, {"verify": [1, 2]}, {"modes": {"draft": {"reached": [1.0]}}}):
+    for foreign in ({"settings": {"greedy": {"draft": {"reached": "x"}}}}, {"verify": [1, 2]},
+                    {"settings": {"greedy": {"draft": {"reached": [1.0]}}}}, {"settings": [1]},
+                    {"modes": {"draft": m.settings["greedy"]["draft"].__dict__}}):  # (the last: before settings were kept)
         fresh = MeasuredK(start=4, memory=Memory(foreign))
-        assert fresh.modes == {} and fresh.verify.seconds == {} and fresh.k("draft") == 4
+        assert fresh.settings == {} and fresh.verify.seconds == {} and fresh.k("draft") == 4
     short = MeasuredK(start=4, k_max=16, memory=memory)  # a file from a shorter k_max: padded
-    assert len(short.modes["draft"].reached) == 16 and short.k("draft") == 1
+    assert len(short.settings["greedy"]["draft"].reached) == 16 and short.k("draft") == 1
+
+
+def test_acceptance_is_kept_per_sampling_setting_and_a_verify_s_cost_for_all():
+    """Greedy agreement is not T=0.7's acceptance: rounds under one setting neither move K nor price the mode
+    under another, and each setting's rounds are saved and recalled as its own; the verify costs are shared."""
+    warm, memory = SamplingParams(0.7, top_p=0.9), Memory()
+    m = MeasuredK(start=4, memory=memory)
+    for _ in range(40):  # greedy: every draft accepted, drafts free, a verify as cheap as a step: K goes up
+        k = m.k("draft", GREEDY)
+        m.observe(record(drafted=k, accepted=k, draft_s=0.0, verify_s=1.0), GREEDY)
+    assert m.choose("draft", GREEDY) == 12 and m.rate("draft", GREEDY) > 1
+    assert m.k("draft", warm) == 4 and m.rate("draft", warm) is None  # nothing measured at T=0.7 yet
+    for _ in range(40):  # T=0.7: every draft rejected, a tenth of a step each
+        k = m.k("draft", warm)
+        m.observe(record(drafted=k, accepted=0, draft_s=0.1 * k, verify_s=1.0), warm)
+    assert m.choose("draft", warm) == 1 and m.rate("draft", warm) == pytest.approx(1 / 1.1, rel=0.02)
+    assert m.choose("draft", GREEDY) == 12  # greedy's rounds unchanged by T=0.7's
+    m.save()
+    again = MeasuredK(start=4, memory=memory)
+    assert again.k("draft", GREEDY) == 12 and again.k("draft", warm) == 1 and again.verify.seconds == m.verify.seconds

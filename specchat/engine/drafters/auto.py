@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from specchat.engine.draft_length import VerifyCosts
 from specchat.engine.drafters.base import Drafter
 from specchat.engine.errors import ModeUnavailable
+from specchat.engine.sampling_params import setting_key
 
 CANDIDATES = ("off", "suffix", "head", "quant", "draft")  # in the order their first rounds run
 ONLY = {"quant": {"quant_backend": "int8"}}  # a candidate only in this form
@@ -197,13 +198,6 @@ class Standing:
     rounds: int  # what the rate rests on (earlier sessions' included)
 
 
-def setting_key(params) -> str:
-    """The sampling setting an arm's rate belongs to (acceptance depends on it), as saved between sessions."""
-    if params is None or params.greedy:
-        return "greedy"
-    return f"T={params.temperature:g} top_k={params.top_k} top_p={params.top_p:g}"
-
-
 class AutoDrafter(Drafter):
     name = "auto"
 
@@ -286,7 +280,7 @@ class AutoDrafter(Drafter):
     def for_round(self, state, params, sizing=None) -> Drafter:
         self.rounds += 1
         self.rates = self._table(params)
-        self.price(sizing)
+        self.price(sizing, params)
         if len(state.tokens) != self.next_position:  # a new prompt, or a rewind: what follows the shadows is unknown
             self.shadows = []
         self.next_position = len(state.tokens)
@@ -301,14 +295,14 @@ class AutoDrafter(Drafter):
                 self.shadows.append(Shadow(self.matched, self.rates, drafts))
         return self.candidates[self.choice]
 
-    def price(self, sizing) -> None:
+    def price(self, sizing, params) -> None:
         """With K measured (`sizing`: the loop's MeasuredK), a drafting mode is priced at what K measured's model
-        expects of it at the K it will run, from its rounds at every K. Its own rounds' rate mixes Ks: a cold start's
-        rounds at the start K priced the draft model below plain decoding on a CPU where K=1 beats plain decoding
-        (Zen 3, the Qwen pair), and the race left it for 16 rounds or more."""
+        expects of it at the K it will run, from its rounds at every K under this sampling setting (`params`). Its
+        own rounds' rate mixes Ks: a cold start's rounds at the start K priced the draft model below plain decoding
+        on a CPU where K=1 beats plain decoding (Zen 3, the Qwen pair), and the race left it for 16 rounds or more."""
         for arm, mode in self.arm_mode.items():
             if mode in PRICED:
-                self.rates[arm].expected = sizing.rate(mode) if sizing is not None else None
+                self.rates[arm].expected = sizing.rate(mode, params) if sizing is not None else None
 
     def match_arm(self, tokens: list[int]) -> str | None:
         """The suffix drafter's arm for this context (by how long its match is), or None when it has no match."""

@@ -488,7 +488,8 @@ def test_with_k_measured_a_drafting_arm_is_priced_at_what_k_measured_expects_of_
     K measured knows nothing of yet, and every arm under a fixed K, keep their own rounds' rate."""
     auto = settled(auto_with("head", "draft"), off=10.0, head=9.0, draft=8.0)
     state = SimpleNamespace(tokens=[1], head=None)
-    sizing = SimpleNamespace(rate={"draft": 11.0}.get)  # (head: None, it has not drafted)
+    # K measured's expectation under the round's sampling setting (head: None, it has not drafted)
+    sizing = SimpleNamespace(rate=lambda mode, params: {"draft": 11.0}.get(mode) if params == GREEDY else None)
     assert auto.for_round(state, GREEDY, sizing) is auto.candidates["draft"]
     assert [auto.rates[a].per_s for a in ("off", "head", "draft")] == [10.0, 9.0, 11.0]
     assert auto.why == "draft 11 tok/s vs off 10, head 9"
