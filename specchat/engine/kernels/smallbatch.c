@@ -1862,7 +1862,10 @@ static void round_row(const float *x, long s, long D, int reads, struct rounded 
 }
 
 /* y[S, N] (+ bias[N]) = x @ w^T on the calling team, x rounded in r (round_row): part p's rows[p] rows of blocks of
-   types[p] into the next rows[p] columns of y (rows ldy floats apart); one loop takes 16 rows at a time from any part */
+   types[p] into the next rows[p] columns of y (rows ldy floats apart); one loop takes 16 rows at a time from any part.
+   Guided: a thread takes half of what is left, then less and less, so a thread slowed by the machine (a VM's core)
+   is not waited for at the loop's end, while each still streams long runs of rows; a group's sums are the same
+   whichever thread computes them. */
 static void parts_team(const struct rounded *r, int n, const unsigned char *const *w, const int *types, const long *rows,
                        const float *bias, float *y, long ldy, long S, long D, int reference) {
     long first_task[4] = {0}, column[4] = {0};
@@ -1870,7 +1873,7 @@ static void parts_team(const struct rounded *r, int n, const unsigned char *cons
         first_task[i + 1] = first_task[i] + (rows[i] + PACK_ROWS - 1) / PACK_ROWS; /* tasks of 16 rows */
         column[i + 1] = column[i] + rows[i];
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (long t = 0; t < first_task[n]; t++) {
         int i = 0;
         while (t >= first_task[i + 1]) i++;
