@@ -31,8 +31,8 @@ class Header:
 def read(path: Path) -> Header:
     """One walk over the metadata and tensor infos that reads only lengths (gguf's GGUFReader turns the whole
     vocabulary into arrays: seconds for 150k tokens). ValueError, in words for the user, for what is not GGUF.
-    Kept while the file's inode, size and modification time stay: a start asks for each file's header in six places (the
-    checks, the engine's choice, the loaders), 40-60 ms each on a 150k vocabulary. Shared: not to be changed."""
+    Kept while the file's inode, size and modification time stay: a start asks for each file's header in six places
+    (the checks, the engine's choice, the loaders), 40-60 ms each on a 150k vocabulary. Shared: not to be changed."""
     stat = Path(path).stat()
     return _read(Path(path), stat.st_size, (stat.st_ino, stat.st_mtime_ns))
 
