@@ -1,14 +1,16 @@
-"""Two builds of the C layer against each other on the lean engine: a kernel change's speed, and its bits.
+"""Two builds of the C layer against each other on the lean (or torch) engine: a kernel change's speed, and its bits.
 
     git show BASE:specchat/engine/kernels/smallbatch.c > /tmp/base.c
     cc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/base.so /tmp/base.c     # (and the same for the new source)
     python benchmarks/kernel_ab.py /tmp/base.so /tmp/new.so [--target model.gguf] [--sizes 1,2,5,9] [--rounds 100]
+        [--engine torch]
 
 Each build loads (and interleaves, with its own gguf_pack) a copy of the model, so a change to the packed layout is
 measured too; both copies start from the same held-out prompt. Every round feeds each size to one copy and then the
 other (which goes first alternates), then commits one token to both: a slow moment of a shared machine falls on both
 alike. Prints each size's median milliseconds, new over old, and how many calls' logits differed (a change meant to
-keep the arithmetic must say 0). Default model; 2 threads; memory: two copies of the model.
+keep the arithmetic must say 0). Default model; 2 threads; memory: two copies of the model. `--engine torch` runs the
+torch engine's runner instead (the float32 kernels on a Hugging Face model; default: the embedded model's).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--sizes", default="1,2,5,9")
     ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--engine", choices=("lean", "torch"), default="lean")
     args = ap.parse_args()
 
     from specchat import threads
@@ -61,7 +64,7 @@ def main() -> None:
     libraries, states = [], []
     for path in (args.old, args.new):
         libraries.append(loaded(path))
-        model = load_model(args.target, torch.device("cpu"), torch.float32, engine="lean")
+        model = load_model(args.target, torch.device("cpu"), torch.float32, engine=args.engine)
         state = target_state(model.model)
         state.start(model.chat_ids([{"role": "user", "content": prompt}]))
         states.append(state)
