@@ -273,7 +273,7 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
                 else:
                     drafter = chooser.for_round(state, greedy, sizing) if priced else chooser.for_round(state, greedy)
                 name = drafter.name
-                want = max(min(drafter.draft_len(sizing.k(name) if sizing else k), k if name != "suffix" else limit, limit - j - 1), 0)
+                want = max(min(drafter.draft_len(sizing.k(name, greedy) if sizing else k), k if name != "suffix" else limit, limit - j - 1), 0)
                 draft_s = 0.0
                 if name == "off" or want == 0:
                     drafts = []
@@ -301,7 +301,7 @@ def replay_session(trace: Trace, mode: str, auto_module, order: list[int], reps:
                 if chooser is not None:
                     chooser.observe(record)
                 if sizing is not None:
-                    sizing.observe(record)
+                    sizing.observe(record, greedy)
                 decode_tokens += len(new) - (round_index == 0)  # (the first token is the prefill's)
                 decode_s += draft_s + verify_s
                 rounds[name] += 1
