@@ -186,7 +186,7 @@ def write_export(session, path: Path) -> tuple[Path, Path]:
 
 
 def default_export_path() -> Path:
-    """F9 without --export: a timestamped file in the user data folder (never the source tree)."""
+    """ctrl+s without --export: a timestamped file in the user data folder (never the source tree)."""
     return exports_dir() / f"specchat-session-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
 
 

@@ -3,7 +3,7 @@
 - cache (`SPECCHAT_CACHE_DIR`, else platformdirs' user cache): converted GGUF models, tuned settings,
   low-rank factors; everything there can be recomputed.
 - data (`SPECCHAT_DATA_DIR`, else platformdirs' user data folder): what the user made: session exports
-  (F9), bench reports.
+  (ctrl+s), bench reports.
 - config (`SPECCHAT_CONFIG_DIR`, else platformdirs' user config folder): user themes.
 - state (`SPECCHAT_STATE_DIR`, else platformdirs' user state folder): what mode auto learnt about this machine
   (LearntRates). Not the cache: the tests share one cache between runs, and learnt rates must start fresh there.

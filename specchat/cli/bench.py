@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from specchat.cli.options import (DEFAULTS, BadOption, Options, UserError, load_models, mode_setting_options, model_options, preflight,
+from specchat.cli.options import (DEFAULTS, BadOption, Options, UserError, load_models, mode_setting_options, bench_model_options, preflight,
                                   server_options, user_errors)
 from specchat.modes import MODES
 
@@ -211,7 +211,7 @@ def show_report(text: str) -> None:
 
 
 @click.command()
-@model_options
+@bench_model_options
 @server_options
 @click.option("--modes", default=None, metavar="LIST", help=f"Comma-separated, from: {', '.join(MODES)}. Default: every mode that can run (draft with --draft). off always runs.")
 @click.option("--draft-len", "draft_lens", default=",".join([*map(str, DEFAULTS["bench"].draft_lens), *(["auto"] if DEFAULTS["bench"].measured_k else [])]), show_default=True, metavar="LIST",

@@ -292,7 +292,12 @@ def apply(options: list, f):
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
 
 
-def _model_options(f, *, draft: bool):
+ENGINE_HELP = ("What runs the models: llama.cpp (GGUF files on the CPU), lean (GGUF files on the CPU, read in place by specchat's own "
+               "kernel: modes off, suffix, lookup, draft, layerskip, earlyexit, auto) or torch. auto, for a .gguf target on the CPU: lean or llama.cpp, "
+               "whichever ran it faster on this CPU (measured once), llama.cpp for a file the lean engine does not read.")
+
+
+def _model_options(f, *, draft: bool, engine_help: str = ENGINE_HELP):
     """--engine comes with --draft: the commands that load only the target (tune, train-head) need torch's view of
     the target's layers, and run on torch."""
     return apply([
@@ -305,9 +310,7 @@ def _model_options(f, *, draft: bool):
                           "converted; with no terminal to ask, it exits with status 2. `specchat cache` lists and removes what was written."),
         click.option("--device", default=ModelOptions.device, show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps."),
         *([click.option("--engine", type=click.Choice(["auto", "torch", "llama.cpp", "lean"]), default=ModelOptions.engine, show_default=True,
-                        help="What runs the models: llama.cpp (GGUF files on the CPU), lean (GGUF files on the CPU, read in place by specchat's own "
-                             "kernel: modes off, suffix, lookup, draft, layerskip, earlyexit, auto) or torch. auto, for a .gguf target on the CPU: lean or llama.cpp, "
-                             "whichever ran it faster on this CPU (measured once), llama.cpp for a file the lean engine does not read.")]
+                        help=engine_help)]
           if draft else []),
         click.option("--dtype", default=ModelOptions.dtype, show_default=True, help="auto (cuda: bf16, cpu: float32), float32, bfloat16, float16."),
         click.option("--device-map", default=None, metavar="MAP", help="'auto' spreads a large target over GPUs and CPU memory (accelerate)."),
@@ -319,6 +322,12 @@ def _model_options(f, *, draft: bool):
 def model_options(f):
     """--target/--draft, where they run, how many CPU threads."""
     return _model_options(f, draft=True)
+
+
+def bench_model_options(f):
+    """model_options for bench, which runs on torch (its quality checks score the target's outputs with torch)."""
+    return _model_options(f, draft=True, engine_help="bench runs on torch (auto means torch here); benchmarks/engines.py "
+                                                     "measures the lean and llama.cpp engines' modes.")
 
 
 def target_options(f):
