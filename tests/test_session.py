@@ -239,6 +239,10 @@ def test_the_seed_alone_decides_a_sampled_reply(tiny, monkeypatch):
         replies.append(session.turns[-1].reply_ids)
         assert session.seed == 7
     assert replies[0] == replies[1]
+    other = Session(tiny, sampling=SamplingParams(1.0), seed=8, max_new_tokens=12)
+    other.eos_ids = set()
+    list(other.reply("hello world"))
+    assert other.turns[-1].reply_ids != replies[0]  # and another seed another reply: the seed is used
     bounds = []
 
     class Drawn:

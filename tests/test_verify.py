@@ -269,9 +269,14 @@ def test_short_tests_still_draft_every_position(peaked_target, drafts):
 
 
 def test_two_sample_homogeneity_is_still_there(peaked_target, drafts):
-    r = verify(peaked_target, ModelDrafter(drafts["over"]), T1, seed=0, test="homogeneity", samples=100)
-    assert r["test_kind"] == "homogeneity" and r["verdict"] in ("pass", "fail") and r["plain_samples"] == 100
-    assert 0 <= r["p_value"] <= 1 and r["positions"] == []
+    """The two-sample test passes the exact rule and fails its broken control (200 draws each: at 100 the control
+    passed at 2 of 4 seeds)."""
+    r = verify(peaked_target, ModelDrafter(drafts["over"]), T1, seed=1, test="homogeneity", samples=200)
+    assert r["test_kind"] == "homogeneity" and r["plain_samples"] == 200 and r["positions"] == []
+    assert r["verdict"] == "pass" and r["p_value"] > DEFAULT_ALPHA
+    broken = verify(peaked_target, ModelDrafter(drafts["over"]), T1, seed=1, test="homogeneity", samples=200,
+                    rule=ResampleFromPClaimingExact())
+    assert broken["verdict"] == "fail" and broken["p_value"] < 1e-6
 
 
 # ---------------------------------------------------------------- the command

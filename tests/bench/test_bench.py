@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from specchat.bench import runner
 from specchat.cli.main import main
 from specchat.engine.events import RoundRecord
-from specchat.engine.metrics import Stats, expected_tokens_per_round, predicted_speedup
+from specchat.engine.metrics import Stats, expected_tokens_per_round
 from support.models import tiny_model_dir
 from support.broken import BonusFromPreviousPosition
 
@@ -213,13 +213,6 @@ def test_expected_tokens_per_round_by_hand():
     assert expected_tokens_per_round(0.8, 4) == pytest.approx(3.3616)
     assert expected_tokens_per_round(0.0, 4) == 1.0  # every round still emits the replacement
     assert expected_tokens_per_round(1.0, 4) == 5.0  # all accepted plus the bonus
-
-
-def test_predicted_speedup_by_hand():
-    assert predicted_speedup(0.8, 4, 0.1, 1.3) == pytest.approx(3.3616 / 1.7)  # 1.97741...
-    assert predicted_speedup(0.5, 2, 0.25, 1.0) == pytest.approx(1.75 / 1.5)
-    assert predicted_speedup(0.0, 4, 0.1, 1.2) == pytest.approx(0.625)  # nothing accepted: a slowdown
-    assert predicted_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # free, perfect drafts
 
 
 def _stats(rounds, drafted, accepted, draft_s, verify_s):

@@ -138,5 +138,5 @@ def test_with_a_server_the_local_options_set_are_named_by_their_flags():
 def test_from_click_reads_the_running_commands_context_and_needs_one():
     with generate.make_context("generate", ["--prompt", "hi", "--seed", "7"], parent=under_main()):  # as inside the command
         assert Options.from_click("generate").seed == 7
-    with pytest.raises(RuntimeError):  # click's: no command is running
+    with pytest.raises(RuntimeError, match="no active click context"):  # click's: no command is running
         Options.from_click("generate")

@@ -143,7 +143,9 @@ def test_switching_modes_every_round_keeps_greedy_output(deep, tiny_draft):
 def test_cli_adaptive_flag(tmp_path):
     from specchat.cli.main import main
 
-    target = tiny_model_dir(tmp_path / "tiny")
+    """--adaptive puts AdaptiveK in charge: K starts at -k and grows while drafts are accepted. A peaked model
+    (sharpen): on a flat one --adaptive's confidence stop (0.7) ends every draft at once."""
+    target = tiny_model_dir(tmp_path / "tiny", sharpen=200.0)
     args = ["generate", "--target", str(target), "--prompt", "write a short story", "--format", "json", "--max-new-tokens", "30",
             "--mode", "quant", "--dtype", "float32"]
     fixed = CliRunner().invoke(main, args, catch_exceptions=False)
@@ -151,6 +153,9 @@ def test_cli_adaptive_flag(tmp_path):
     assert fixed.exit_code == 0 and adaptive.exit_code == 0, adaptive.output
     ids = lambda r: [json.loads(x)["id"] for x in r.stdout.splitlines()[:-1]]  # noqa: E731
     assert ids(fixed) == ids(adaptive)  # greedy: the schedule changes speed, never the text
+    summary = json.loads(adaptive.stdout.splitlines()[-1])
+    assert summary["draft_len"] == 4  # the schedule's start, not K measured ("auto")
+    assert len(summary["per_position_acceptance"]) > 4  # it drafted past its start: K grew
 
 
 def test_confidence_stop_drafts_less_and_keeps_greedy_identity(deep):

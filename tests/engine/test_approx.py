@@ -19,8 +19,9 @@ def test_parse_rule():
     assert parse_rule("exact") is EXACT
     rule = parse_rule("approx:0.5")
     assert isinstance(rule, LenientRule) and rule.exact is False and rule.name == "approx:0.5"
-    for bad in ("approx:", "approx:x", "approx:0", "approx:1", "approx:1.5", "typical"):
-        with pytest.raises(ValueError):
+    for bad, says in [("approx:", "needs a number"), ("approx:x", "needs a number"), ("approx:0", "needs 0 < lambda < 1"),
+                      ("approx:1", "needs 0 < lambda < 1"), ("approx:1.5", "needs 0 < lambda < 1"), ("typical", "unknown acceptance rule")]:
+        with pytest.raises(ValueError, match=says):
             parse_rule(bad)
 
 

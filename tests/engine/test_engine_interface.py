@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from support.models import tiny_model_dir
-from support.fakes import FakeSession
 from specchat.conversation import ChatSession
 from specchat.engine import remote
 from specchat.engine.info import EngineInfo
@@ -109,10 +108,6 @@ def test_a_remote_session_says_its_server_runs_the_models_and_follows_the_mode()
     snapshot = session.snapshot()  # the panel's drafter figures: none, without a local drafter
     assert (snapshot.mode, snapshot.max_draft, snapshot.draft_len, snapshot.choice, snapshot.standings) == ("plain", None, None, None, ())
     assert session.warnings == [] and session.notices == ["plain (http://h:2) does not speculate: every token is a plain target step"]
-
-
-def test_the_tests_fake_session_has_the_whole_interface():
-    assert isinstance(FakeSession(), ChatSession)
 
 
 SNIFF = re.compile(r"^(self\.)?(session|app\.session)\b")  # a session, or its state

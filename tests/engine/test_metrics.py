@@ -70,6 +70,7 @@ def test_panel_bench_tune_and_export_show_one_number():
 
 def test_predicted_speedup_by_hand():
     assert predicted_speedup(0.8, 4, 0.1, 1.3) == pytest.approx(3.3616 / 1.7)
+    assert predicted_speedup(0.5, 2, 0.25, 1.0) == pytest.approx(1.75 / 1.5)
     assert predicted_speedup(0.0, 4, 0.1, 1.2) == pytest.approx(0.625)  # nothing accepted: a slowdown
     assert predicted_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # free, perfect drafts
 

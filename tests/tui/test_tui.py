@@ -507,7 +507,7 @@ def test_run_chat_writes_the_export_even_when_the_app_crashes(tmp_path, monkeypa
 
     monkeypatch.setattr(SpecChatApp, "run", crash)
     path = tmp_path / "crash.json"
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^boom$"):
         run_chat(session, export_path=path)
     data = json.loads(path.read_text())
     assert data["turns"][0]["user"] == "before the crash" and data["turns"][0]["reply"] == session.turns[0].reply

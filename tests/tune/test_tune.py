@@ -10,7 +10,7 @@ from specchat.engine.drafters import build_drafter
 from specchat.engine.drafters.layers import Decoder
 from specchat.engine.metrics import Stats, predicted_speedup
 from specchat.engine.sampling import SamplingParams
-from specchat.tune.search import Costs, matches, reference, replay, tune_model
+from specchat.tune.search import LOWRANK_RANKS, Costs, matches, reference, replay, tune_model
 from support.exact import run
 
 COSTS = Costs(head=0.1, layer=0.2, verify={k: 1 + 0.05 * k for k in range(1, 9)})
@@ -110,14 +110,18 @@ def test_tune_command_saves_the_default(tmp_path, monkeypatch):
         assert session.drafter("layerskip").skip_layers == builtin_skip(4)
 
 
-def test_tune_lowrank_says_when_unavailable(deep_target):
+def test_tune_lowrank_finds_a_rank(deep_target):
+    result = tune_model(deep_target, PROMPTS, "lowrank", budget=2, max_new_tokens=12, costs=COSTS)
+    assert result.best.setting["rank"] in LOWRANK_RANKS
+
+
+def test_tune_lowrank_says_when_unavailable(deep_target, monkeypatch):
+    import specchat.tune.search as search
     from specchat.engine.drafters import ModeUnavailable
 
-    try:
-        build_drafter("lowrank", deep_target, rank=0.5)
-    except ModeUnavailable:
-        with pytest.raises(ModeUnavailable, match="lowrank"):
-            tune_model(deep_target, PROMPTS, "lowrank", costs=COSTS)
-    else:
-        result = tune_model(deep_target, PROMPTS, "lowrank", budget=2, max_new_tokens=12, costs=COSTS)
-        assert "rank" in result.best.setting
+    def unavailable(mode, model, **options):
+        raise ModeUnavailable("needs the lean runner")
+
+    monkeypatch.setattr(search, "build_drafter", unavailable)
+    with pytest.raises(ModeUnavailable, match="^cannot tune lowrank: needs the lean runner$"):
+        tune_model(deep_target, PROMPTS, "lowrank", costs=COSTS)
