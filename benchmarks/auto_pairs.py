@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.engine == "llama.cpp":
-        threads.prepare_for_llama_cpp()
+        threads.prepare_for_gguf()
     threads.set_threads(args.threads)
     device = torch.device("cpu")
     target = load_model(args.target, device, torch.float32, engine=args.engine)

@@ -63,7 +63,7 @@ def record(args) -> None:
 
     threads.prepare_process()
     if args.engine == "llama.cpp":
-        threads.prepare_for_llama_cpp()
+        threads.prepare_for_gguf()
     threads.set_threads(args.threads)
     import torch
 

@@ -27,6 +27,7 @@ CONFIGS = {  # name -> (environment, extra arguments)
     # libgomp's own spin: llama.cpp's threads (the same OpenMP runtime as torch's) wait between decodes
     "default, GOMP_SPINCOUNT=300000": ({"GOMP_SPINCOUNT": "300000"}, []),
     "--threads 2, GOMP_SPINCOUNT=300000": ({"GOMP_SPINCOUNT": "300000"}, ["--threads", "2"]),
+    "default, GOMP_SPINCOUNT=10000": ({"GOMP_SPINCOUNT": "10000"}, []),  # torch's brief spin
 }
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm, with many chapters."
 COMPETITOR = [sys.executable, "-c", "while True: pass"]

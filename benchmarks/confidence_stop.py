@@ -25,6 +25,7 @@ from pathlib import Path
 from specchat import threads
 
 threads.prepare_process()
+threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

@@ -13,6 +13,7 @@ import time
 from specchat import threads
 
 threads.prepare_process()
+threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

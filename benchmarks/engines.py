@@ -35,7 +35,7 @@ from specchat import heap, threads  # noqa: E402
 
 threads.prepare_process()  # OpenMP waits as specchat's own commands wait when llama.cpp runs the models
 heap.keep_freed_pages()  # and the heap keeps freed pages, as in the specchat command
-threads.prepare_for_llama_cpp()  # (the torch row runs with that spin too: 12% slower than torch's own, section 9)
+threads.prepare_for_gguf()  # (the torch row runs with that spin too: 12% slower than torch's own, section 9)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402

@@ -20,6 +20,7 @@ from pathlib import Path
 from specchat import threads
 
 threads.prepare_process()
+threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
 
 import torch  # noqa: E402
 

@@ -40,6 +40,8 @@ def main() -> None:
     from specchat import threads
 
     threads.prepare_process()
+    if args.engine == "lean":
+        threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

@@ -19,7 +19,7 @@ import os
 from specchat import threads
 
 threads.prepare_process()
-threads.prepare_for_llama_cpp()
+threads.prepare_for_gguf()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.engine == "llama.cpp":
-        threads.prepare_for_llama_cpp()
+        threads.prepare_for_gguf()
     threads.set_threads(args.threads)
     target = load_model(args.target, torch.device("cpu"), torch.float32, engine=args.engine)
     modes = args.modes.split(",")

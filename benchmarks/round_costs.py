@@ -29,6 +29,7 @@ def main() -> None:
     from specchat import heap, threads
 
     threads.prepare_process()
+    threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
     heap.keep_freed_pages()  # as the specchat command does
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

@@ -27,6 +27,7 @@ def worker(tokens: int) -> None:
     from specchat import threads
 
     threads.prepare_process()
+    threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
     try:
         from specchat import heap
 

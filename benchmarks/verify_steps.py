@@ -32,6 +32,7 @@ def main() -> None:
     from specchat import threads
 
     threads.prepare_process()
+    threads.prepare_for_gguf()  # the GGUF engines' longer spin, as specchat runs them
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

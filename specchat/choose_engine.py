@@ -120,7 +120,7 @@ def main(path: Path, threads: int) -> dict:
     from specchat import repack_probe, threads as thread_policy
 
     thread_policy.prepare_process()
-    thread_policy.prepare_for_llama_cpp()
+    thread_policy.prepare_for_gguf()
     import torch
 
     from specchat.engine import smallbatch

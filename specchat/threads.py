@@ -23,9 +23,10 @@ import time
 log = logging.getLogger("specchat")
 
 SPIN_COUNT = "10000"  # libgomp's spin iterations before a waiting thread sleeps (its default is 300000)
-# llama.cpp's threads wait in the same libgomp (one per process) between decodes, while the loop does ~1 ms of
-# work of its own: with the brief spin they would fall asleep, and pay a wake-up, at every decode
-LLAMA_CPP_SPIN_COUNT = "300000"
+# the GGUF engines' threads (llama.cpp's, and the lean engine's: one parallel region a forward) wait in the same
+# libgomp (one per process) between forwards, while the loop does ~1 ms of work of its own: with the brief spin they
+# would fall asleep, and pay a wake-up, at every forward
+GGUF_SPIN_COUNT = "300000"
 ADAPT_EVERY_S = 1.0
 
 _owns_process = False  # set by prepare_process: specchat started this process and torch is not loaded yet
@@ -51,14 +52,14 @@ def prepare_process() -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
-def prepare_for_llama_cpp() -> None:
-    """llama.cpp will run the models: let waiting threads spin longer (LLAMA_CPP_SPIN_COUNT), if specchat chose the
-    spin and OpenMP has not started yet. Measured on the llama.cpp engine, default model: plain decoding 0.94 ->
-    0.99 of llama.cpp's own loop, and beside a competitor 34 -> 40 tok/s; on the torch engine the same spin made
-    the quiet machine slower (30.4 -> 26.6 tok/s), so torch keeps the brief one. Also keeps torch's oneDNN off the
-    AMX tiles llama.cpp configures once per thread (repack_probe.keep_tiles_for_llama_cpp)."""
+def prepare_for_gguf() -> None:
+    """llama.cpp or the lean engine will run the models: let waiting threads spin longer (GGUF_SPIN_COUNT), if
+    specchat chose the spin and OpenMP has not started yet. Both run a forward as one parallel region with the
+    loop's Python between forwards; on the torch engine, ~120 regions a forward, the same spin made the quiet
+    machine slower, so torch keeps the brief one (docs/threads.md). Also keeps torch's oneDNN off the AMX tiles
+    llama.cpp configures once per thread (repack_probe.keep_tiles_for_llama_cpp)."""
     if _our_spin and "torch" not in sys.modules:
-        os.environ["GOMP_SPINCOUNT"] = LLAMA_CPP_SPIN_COUNT
+        os.environ["GOMP_SPINCOUNT"] = GGUF_SPIN_COUNT
     from specchat.repack_probe import keep_tiles_for_llama_cpp
 
     keep_tiles_for_llama_cpp()

@@ -121,14 +121,15 @@ def test_the_users_wait_policy_and_thread_count_are_kept():
 
 LLAMA_PROBE = ("import os; from specchat.cli import options; from specchat import threads; options.prepare_process(); "
                "models = options.ModelOptions(engine='{engine}', target=None, draft=None, device='auto'); "
-               "threads.prepare_for_llama_cpp() if options.likely_llama_cpp(models) else None; "
+               "threads.prepare_for_gguf() if options.likely_gguf_engine(models) else None; "
                "import torch; print(os.environ.get('GOMP_SPINCOUNT'))")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GOMP_SPINCOUNT is libgomp's (Linux)")
-def test_llama_cpp_gets_the_longer_spin_torch_the_short_one_and_the_users_is_kept():
-    """What load_models does before torch loads: the default model on engine auto runs on llama.cpp."""
-    assert run_fresh(LLAMA_PROBE.format(engine="auto")).strip() == threads.LLAMA_CPP_SPIN_COUNT
+def test_the_gguf_engines_get_the_longer_spin_torch_the_short_one_and_the_users_is_kept():
+    """What load_models does before torch loads: the default model on engine auto runs on llama.cpp or lean."""
+    assert run_fresh(LLAMA_PROBE.format(engine="auto")).strip() == threads.GGUF_SPIN_COUNT
+    assert run_fresh(LLAMA_PROBE.format(engine="lean")).strip() == threads.GGUF_SPIN_COUNT
     assert run_fresh(LLAMA_PROBE.format(engine="torch")).strip() == threads.SPIN_COUNT
     assert run_fresh(LLAMA_PROBE.format(engine="auto"), GOMP_SPINCOUNT="77").strip() == "77"
 

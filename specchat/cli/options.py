@@ -399,12 +399,16 @@ def system_option(f):
     return click.option("--system", metavar="TEXT", default=None, help="A system message at the start of the conversation.")(f)
 
 
-def likely_llama_cpp(models: ModelOptions) -> bool:
-    """Whether models.pick_engine will choose llama.cpp, told without importing torch or llama.cpp (the choice
-    itself needs both): llama-cpp-python is looked for on sys.path."""
+def likely_gguf_engine(models: ModelOptions) -> bool:
+    """Whether models.pick_engine will choose llama.cpp or the lean engine, told without importing torch or
+    llama.cpp (the choice itself needs both)."""
     gguf = [spec is None or spec.endswith(".gguf") for spec in (models.target, models.draft or ".gguf")]
-    installed = any((Path(p or ".") / "llama_cpp" / "__init__.py").is_file() for p in sys.path)
-    return models.engine != "torch" and all(gguf) and models.device in ("auto", "cpu") and installed
+    return models.engine != "torch" and all(gguf) and models.device in ("auto", "cpu")
+
+
+def llama_cpp_installed() -> bool:
+    """llama-cpp-python on sys.path, looked for without importing it."""
+    return any((Path(p or ".") / "llama_cpp" / "__init__.py").is_file() for p in sys.path)
 
 
 def hub_environment(download: bool) -> None:
@@ -503,8 +507,8 @@ def load_models(models: ModelOptions, progress):
     than models.CONSENT_BYTES asks first (ask_before_writing), through `progress.confirm(question) -> bool` where
     `progress` has one."""
     hub_environment(models.download)
-    if likely_llama_cpp(models):  # before torch (and OpenMP with it) loads
-        threads.prepare_for_llama_cpp()
+    if likely_gguf_engine(models):  # before torch (and OpenMP with it) loads
+        threads.prepare_for_gguf()
     threads.set_threads(models.threads)
     from specchat.models import (check_same_tokenizer, check_same_vocab, conversion_plan, convert_gguf, default_gguf, is_gguf,
                                  gguf_path, lean_reads, load_model, load_tokenizer, pick_device, pick_dtype, pick_engine,
@@ -513,7 +517,8 @@ def load_models(models: ModelOptions, progress):
     specs = [models.target, *([models.draft] if models.draft else [])]
     device = pick_device(models.device)
     dtype = pick_dtype(models.dtype, device)
-    if models.engine == "auto" and likely_llama_cpp(models) and device.type == "cpu" and lean_reads(models.target, models.draft):
+    if (models.engine == "auto" and likely_gguf_engine(models) and llama_cpp_installed() and device.type == "cpu"
+            and lean_reads(models.target, models.draft)):
         from specchat import choose_engine, threads as thread_policy
 
         if not choose_engine.known(gguf_path(models.target), thread_policy.setting()):
@@ -573,8 +578,8 @@ def load_session(options: Options, *, quiet: bool = False, progress=None):
         return load_remote_session(options)
     preflight(options)  # sets the hub's environment before the imports below (transformers, and huggingface_hub with it)
     models = options.models
-    if likely_llama_cpp(models):  # before torch (and OpenMP with it) loads
-        threads.prepare_for_llama_cpp()
+    if likely_gguf_engine(models):  # before torch (and OpenMP with it) loads
+        threads.prepare_for_gguf()
     from rich.console import Console
 
     progress = progress or Console(stderr=True, quiet=quiet)
