@@ -34,6 +34,7 @@ class Turn:
     rounds: list[RoundRecord] = field(default_factory=list)
     stop_reason: str | None = None  # "eos", "max_new_tokens", "context", or None when stopped early
     sampling: list[SamplingParams] = field(default_factory=list)  # per round: the settings in force when it ended
+    k: int | str | None = None  # the K in force when its latest round ended ("auto": measured each round)
     stats: Stats = field(default_factory=Stats)  # this turn's rounds, every mode together
 
 
@@ -198,6 +199,7 @@ class Conversation:
             with self.lock:
                 turn.rounds.append(record)
                 turn.sampling.append(self.controls.sampling)
+                turn.k = "auto" if isinstance(self.controls.adaptive, MeasuredK) else self.controls.k
                 turn.reply_ids += [t.id for t in record.tokens]
                 turn.reply += "".join(t.text for t in record.tokens)
                 turn.stop_reason = record.stop_reason

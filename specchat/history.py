@@ -42,7 +42,7 @@ def turn_record(session, turn, finished: str) -> dict:
         "model": session.target.name,
         "draft": session.draft.name if session.draft is not None else None,
         "mode": turn.rounds[-1].mode if turn.rounds else session.mode,
-        "k": session.controls.k,
+        "k": turn.k if turn.k is not None else session.controls.k,
         "sampling": asdict(sampling),
         "prompt_tokens": turn.prompt_tokens,
         "stats": turn.stats.summary(),

@@ -16,6 +16,7 @@ from support.models import tiny_model_dir
 from support.fakes import FakeSession, REPLY, VOCAB
 from specchat import history
 from specchat.cli.main import main
+from specchat.engine.draft_length import MeasuredK
 from specchat.engine.sampling import SamplingParams
 from specchat.history import ConversationLog
 
@@ -62,11 +63,20 @@ def test_every_turn_is_saved_with_its_settings_and_statistics(data):
     assert turn["stats"]["new_tokens"] == len(REPLY) and turn["stats"]["acceptance_rate"] > 0
 
     session.set_mode("off")
+    session.controls.k = 5  # the palette's K +1, twice: the first turn ran with 3 and is saved again with 3
     chat(session, log, "again")
     saved = json.loads(log.path.read_text())
     assert [t["user"] for t in saved["turns"]] == ["hello there", "again"]
+    assert [t["k"] for t in saved["turns"]] == [3, 5]
     assert saved["turns"][0]["finished"] <= saved["turns"][1]["finished"] and saved["turns"][1]["mode"] == "off"
     assert not list(data.glob(".*"))  # atomic writes leave no temporary files behind
+
+
+def test_a_turn_under_k_measured_is_saved_with_k_auto(data):
+    session, log = FakeSession(mode="lookup", k=3), ConversationLog()
+    session.controls.adaptive = MeasuredK(start=3)  # what Session.measure_k sets (-k auto)
+    chat(session, log, "hello there")
+    assert json.loads(log.path.read_text())["turns"][0]["k"] == "auto"
 
 
 def test_a_stopped_turn_is_saved_as_stopped(data):
