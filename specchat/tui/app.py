@@ -197,15 +197,16 @@ class SpecChatApp(App):
         self.startup_notices += list(session.notices)
         self.sub_title = self.title_line()
 
-    def title_line(self) -> str:
+    def title_line(self, width: int | None = None) -> str:
         """The header's second line: what runs the reply (the server configuration of a remote session), and how
-        it samples. The settings always show; the names are cut in the middle to the width that is left."""
+        it samples. The settings always show; the names are cut in the middle to the width that is left (`width`:
+        the terminal's, default the app's size)."""
         session, info = self.session, self.session.info
         s = session.controls.sampling
         sampling = "greedy" if s.greedy else f"T={s.temperature:g}" + (f" top-k {s.top_k}" if s.top_k else "") + (
             f" top-p {s.top_p:g}" if s.top_p < 1 else "")
         # the header shows "title — subtitle" between its icon (8 columns) and the space on its right (10)
-        room = max(self.size.width, 40) - 18 - len(f"{self.title} — ")
+        room = max(width or self.size.width, 40) - 18 - len(f"{self.title} — ")
         if info.remote:
             label = info.server.label
             return f"{label} · {shorten(info.server.url, max(12, room - len(label) - len(sampling) - 6))} · {sampling}"
@@ -218,9 +219,9 @@ class SpecChatApp(App):
         settings = " · ".join(x for x in (where, sampling) if x)
         return f"{fit_names(names, room - len(settings) - 3)} · {settings}"
 
-    def on_resize(self) -> None:
-        if self.session is not None:
-            self.sub_title = self.title_line()
+    def on_resize(self, event: events.Resize) -> None:
+        if self.session is not None:  # the event's size: the app's own may not have followed yet
+            self.sub_title = self.title_line(event.size.width)
 
     # ------------------------------------------------------------------ setup
     def _setup_themes(self, name: str | None, dirs: list[Path] | None) -> None:

@@ -312,3 +312,20 @@ async def test_a_measured_k_is_shown_as_measured_and_k_plus_one_fixes_it_from_th
         line = str(app.query_one("#mode-line").render())
         assert session.controls.adaptive is None and session.controls.k == 3
         assert "K 3" in line and "measured" not in line
+
+
+@pytest.mark.asyncio
+async def test_the_header_follows_a_resize_at_once():
+    """The title is fitted to the width the terminal has after a resize, not the one before (the Resize event's
+    size: the app's own had not followed yet)."""
+    app = RecordingApp(FakeSession(draft_name="a-draft-model-with-a-long-name-Q4_K_M.gguf"))
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.pause()
+        wide = app.sub_title
+        assert wide == app.title_line(160) and wide != app.title_line(70)
+        await pilot.resize_terminal(70, 30)
+        await pilot.pause()
+        assert app.sub_title == app.title_line(70)
+        await pilot.resize_terminal(160, 45)
+        await pilot.pause()
+        assert app.sub_title == wide
