@@ -786,7 +786,7 @@ class SpecChatApp(App):
         if self.session is None:  # loading: only what needs no model
             yield SystemCommand(f"Keys ({key('help')})", "Every key and command", self.action_help)
             yield SystemCommand(f"Show log ({key('show_log')})", "Loading stages, warnings and messages from the models", self.action_show_log)
-            yield from super().get_system_commands(screen)
+            yield from self.textual_commands(screen)
             return
         for mode, mode_key in self.mode_keys.items():
             note = f" (unavailable: {self.unavailable[mode]})" if mode in self.unavailable else ""
@@ -819,7 +819,11 @@ class SpecChatApp(App):
         for name in ("dark", "light", "colorblind"):
             if name in self.available_themes:
                 yield SystemCommand(f"Theme: {name}", f"Switch to the {name} theme", lambda n=name: self.action_set_theme(n))
-        yield from super().get_system_commands(screen)
+        yield from self.textual_commands(screen)
+
+    def textual_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's own commands but its "Keys" panel: ours ("Keys (F1)") lists every key and command."""
+        return (command for command in super().get_system_commands(screen) if command.title != "Keys")
 
 
 def run_chat(session: ChatSession | None = None, *, load: Callable[[object], ChatSession] | None = None, theme: str | None = None,

@@ -297,6 +297,7 @@ async def test_settings_from_the_command_palette_apply_to_the_next_round():
                       "Export session (^s)", "Toggle rejected drafts (^r)", "Toggle panel (^t)", "Keys (F1)", "Draft length up", "Draft length down",
                       "Temperature up", "Temperature down", "Greedy / sampling", "Theme: light", "Quit"]:
             assert title in commands, title
+        assert [title for title in commands if title.startswith("Keys")] == ["Keys (F1)"]  # not Textual's too
         await send(pilot, "go")
         session.release(1)
         await wait_for(pilot, lambda: rounds_shown(app) == 1)
