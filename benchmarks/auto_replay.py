@@ -62,7 +62,7 @@ def record(args) -> None:
     from specchat import threads
 
     threads.prepare_process()
-    if args.engine == "llama.cpp":
+    if args.engine in ("llama.cpp", "lean"):  # the GGUF engines' longer spin, as specchat runs them
         threads.prepare_for_gguf()
     threads.set_threads(args.threads)
     import torch
