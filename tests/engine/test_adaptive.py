@@ -141,10 +141,10 @@ def test_switching_modes_every_round_keeps_greedy_output(deep, tiny_draft):
 
 
 def test_cli_adaptive_flag(tmp_path):
-    from specchat.cli.main import main
-
     """--adaptive puts AdaptiveK in charge: K starts at -k and grows while drafts are accepted. A peaked model
     (sharpen): on a flat one --adaptive's confidence stop (0.7) ends every draft at once."""
+    from specchat.cli.main import main
+
     target = tiny_model_dir(tmp_path / "tiny", sharpen=200.0)
     args = ["generate", "--target", str(target), "--prompt", "write a short story", "--format", "json", "--max-new-tokens", "30",
             "--mode", "quant", "--dtype", "float32"]
