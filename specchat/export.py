@@ -165,9 +165,21 @@ def conversation_markdown(session, data: dict) -> str:
     titles = {"system": "System", "user": "User", "assistant": "Assistant"}
     with session.lock:
         messages = list(session.messages)
-    for message in messages:
+    # this run's turns end the conversation, one reply each (earlier ones came from --continue), but for a reply still
+    # streaming (its message comes when it ends): say where one stopped
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = data["turns"][:-1] if messages and messages[-1]["role"] == "user" else data["turns"]
+    ended = {i: t["stop_reason"] for i, t in zip(replies[::-1], turns[::-1]) if messages[i]["content"] == t["reply"]}
+    for i, message in enumerate(messages):
         lines += [f"## {titles.get(message['role'], message['role'].title())}", "", message["content"].strip(), ""]
+        if ended.get(i, "eos") != "eos":
+            lines += [f"*({_ENDED.get(ended[i], ended[i])})*", ""]
     return "\n".join(lines)
+
+
+# why a reply ended before the model ended it, as the chat's status line says it (session_data's stop_reason)
+_ENDED = {"stopped": "stopped", "stopped before the first round": "stopped before the first token",
+          "max_new_tokens": "stopped at max new tokens", "context": "stopped at the context length"}
 
 
 def write_export(session, path: Path) -> tuple[Path, Path]:

@@ -304,6 +304,29 @@ def test_the_markdown_holds_the_settings_and_every_message(tmp_path):
         "## User\n\nq\n\n## Assistant\n\na\n\n## Tool\n\n42\n")
 
 
+def test_the_markdown_says_which_replies_stopped_before_their_end(tmp_path):
+    """A reply stopped (Esc) or cut at max_new_tokens is marked under it, as the chat's status line marks it; a
+    finished one, a resumed conversation's and a reply still streaming (no message yet) are not."""
+    session = FakeSession()
+    session.restore([{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "old reply"}])
+    list(session.reply("cut"))
+    list(session.reply("whole"))
+    rounds = session.reply("stop me")
+    next(rounds)
+    rounds.close()
+    streaming = session.reply("in flight")
+    next(streaming)  # the export taken mid-reply: its turn is in the JSON, its message not yet written
+    data = session_data(session)
+    assert [t["stop_reason"] for t in data["turns"]] == ["eos", "eos", "stopped", "stopped"]
+    data["turns"][0]["stop_reason"] = "max_new_tokens"  # what the engine says of a reply cut at the limit
+    text = conversation_markdown(session, data)
+    streaming.close()
+    parts = text.split("## Assistant\n\n")[1:]
+    assert len(parts) == 4 and "*(" not in parts[0] and "*(" not in parts[2]
+    assert parts[1].endswith("*(stopped at max new tokens)*\n\n## User\n\nwhole\n\n")
+    assert parts[3].endswith("*(stopped)*\n\n## User\n\nin flight\n")
+
+
 def test_each_mode_summary_has_its_predicted_speedup(tmp_path):
     """Beside a mode's statistics, the speedup the session's own measurements predict (null without a plain step)."""
     session = FakeSession(mode="lookup", k=3)
