@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import gguf
 import torch
