@@ -1,6 +1,7 @@
 """Build llama.cpp's llama-server once per machine and keep it in the user cache; print its path.
 
     python scripts/build_llama_server.py        # 16 minutes on 2 busy cores the first time, then instant
+    python scripts/build_llama_server.py --tool llama-bench   # another of its tools, the same way (the benchmarks')
 
 The source is the llama.cpp tree vendored in the llama-cpp-python source distribution that specchat pins
 (pyproject.toml), fetched from PyPI: the server speaks the same llama.cpp version as specchat's own engine, and
@@ -53,8 +54,8 @@ def machine_key() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def binary_path() -> Path:
-    return cache_root() / "llama-server" / f"{LLAMA_CPP_PYTHON}-tilecfg-{machine_key()}" / "llama-server"
+def binary_path(tool: str = "llama-server") -> Path:
+    return cache_root() / "llama-server" / f"{LLAMA_CPP_PYTHON}-tilecfg-{machine_key()}" / tool
 
 
 def fetch_source(into: Path) -> Path:
@@ -68,12 +69,12 @@ def fetch_source(into: Path) -> Path:
     return next(into.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
 
-def build(log=sys.stderr) -> Path:
+def build(log=sys.stderr, tool: str = "llama-server") -> Path:
     """The cached binary, built first if missing. Safe to call from several processes at once (a file lock).
     SPECCHAT_LLAMA_SERVER names a llama-server binary of your own to use instead (of the same llama.cpp version)."""
-    if os.environ.get("SPECCHAT_LLAMA_SERVER"):
+    if tool == "llama-server" and os.environ.get("SPECCHAT_LLAMA_SERVER"):
         return Path(os.environ["SPECCHAT_LLAMA_SERVER"])
-    target = binary_path()
+    target = binary_path(tool)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,18 +84,18 @@ def build(log=sys.stderr) -> Path:
             return target
         with tempfile.TemporaryDirectory(prefix="llama-server-build-") as tmp:
             tmp = Path(tmp)
-            print(f"building llama-server (llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}) into {target}", file=log)
+            print(f"building {tool} (llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}) into {target}", file=log)
             source = fetch_source(tmp)
             build_dir = tmp / "build"
-            run_log = target.parent / "build.log"
+            run_log = target.parent / f"build-{tool}.log"
             with open(run_log, "w") as out:
                 steps = [["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS],
-                         ["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)]]
+                         ["cmake", "--build", str(build_dir), "--target", tool, "-j", str(os.cpu_count() or 2)]]
                 for step in steps:  # niced: the test suite calls this while its other tests run
                     if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10)).returncode != 0:
                         tail = run_log.read_text(errors="replace").splitlines()[-20:]
                         raise RuntimeError(f"building llama-server failed ({' '.join(step[:2])}); the end of {run_log}:\n" + "\n".join(tail))
-            built = build_dir / "bin" / "llama-server"
+            built = build_dir / "bin" / tool
             partial = target.with_suffix(".partial")
             shutil.copy2(built, partial)
             partial.replace(target)  # atomic: a process never sees half a binary
@@ -102,9 +103,14 @@ def build(log=sys.stderr) -> Path:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tool", default="llama-server", help="a llama.cpp tool's CMake target (default: llama-server)")
+    args = parser.parse_args()
     if shutil.which("cmake") is None:
         sys.exit("build_llama_server: cmake is not installed (pip install cmake, or your system's package)")
     try:
-        print(build())
+        print(build(tool=args.tool))
     except (RuntimeError, subprocess.CalledProcessError) as e:
         sys.exit(f"build_llama_server: {e}")
