@@ -3,7 +3,7 @@
 # what issue 52's goals are measured with, in the order RESULTS.md reports them. From the repository root, in the venv:
 #     bash benchmarks/cpu_check.sh [OUT_DIR]
 #     PAIR_TARGET=q1.5b.gguf PAIR_DRAFT=q0.5b.gguf bash benchmarks/cpu_check.sh    # and a target/draft pair
-# ~15 minutes on 2 cores for the default model (plus ~5 minutes to build llama-bench once), ~15 more for the pair.
+# ~20 minutes on 2 cores for the default model, llama-bench's first build (~8 minutes) included; ~12 more for the pair.
 # 1. the CPU (model, SIMD flags) and the kernel's tests, which take the paths this CPU has (AVX-512, AVX2 or plain C);
 # 2. a verify of 2 / 5 / 9 positions in plain steps (verify_steps.py), on the default model and the pair's target;
 # 3. on x86 with AVX2: what the AVX2 inner loop and its floor cost a half unit and position (avx2_unit_cost.c);

@@ -94,7 +94,7 @@ def build(log=sys.stderr, tool: str = "llama-server") -> Path:
                 for step in steps:  # niced: the test suite calls this while its other tests run
                     if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10)).returncode != 0:
                         tail = run_log.read_text(errors="replace").splitlines()[-20:]
-                        raise RuntimeError(f"building llama-server failed ({' '.join(step[:2])}); the end of {run_log}:\n" + "\n".join(tail))
+                        raise RuntimeError(f"building {tool} failed ({' '.join(step[:2])}); the end of {run_log}:\n" + "\n".join(tail))
             built = build_dir / "bin" / tool
             partial = target.with_suffix(".partial")
             shutil.copy2(built, partial)
