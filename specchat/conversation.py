@@ -57,7 +57,7 @@ class Snapshot:
     choice: str | None = None  # mode auto: the mode of its latest round
     why: str | None = None  # and why (the rates it compared)
     standings: tuple = ()  # mode auto: its arms' rates (drafters.auto.Standing), fastest first
-    verify_steps: float | None = None  # mode auto: a full round's verify in plain steps (what a round must give)
+    verify_steps: float | None = None  # mode auto: a verify of k + 1 positions (the `k` above) in plain steps (what a round must give)
     # per mode, the plain rounds run in-band among its rounds: its speedup compares with these (same window, same
     # load, same context lengths), not with plain rounds from another time
     plain_for: dict[str, Stats] = field(default_factory=dict)
@@ -246,7 +246,7 @@ class Conversation:
                 draft_len=drafter.draft_len(k) if hasattr(drafter, "draft_len") else None,  # at the K shown
                 choice=getattr(drafter, "choice", None),
                 why=getattr(drafter, "why", None),
-                **({"standings": drafter.standings(), "verify_steps": drafter.verify_steps()}
+                **({"standings": drafter.standings(), "verify_steps": drafter.verify_steps(k)}
                    if hasattr(drafter, "standings") else {}),
                 **self._snapshot_extra(),
             )

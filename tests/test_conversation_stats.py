@@ -171,3 +171,13 @@ def test_the_drafters_own_fields_and_the_subclasss_extra_reach_the_snapshot():
     assert snap.draft_len is None  # a drafter that does not say
     drafter.draft_len = lambda k: max(k, 15)  # mode suffix (or auto running it) asks for more than K
     assert Chat("auto", drafter=drafter).snapshot().draft_len == 15
+
+
+def test_autos_verify_in_steps_is_for_the_k_the_snapshot_shows():
+    """The panel's "a (K+1)-position verify costs N steps" reads both from the snapshot: N must be priced at its K
+    (auto's own latest K may be a suffix round's 15)."""
+    auto = SimpleNamespace(name="auto", choice="off", why="", standings=lambda: (), verify_steps=lambda k: 10.0 + k)
+    chat = Chat("auto", drafter=auto)
+    chat.controls.k = 3
+    snap = chat.snapshot()
+    assert (snap.k, snap.verify_steps) == (3, 13.0)

@@ -408,10 +408,11 @@ class AutoDrafter(Drafter):
                 for arm, r in self.rates.items() if r.rounds]
         return tuple(sorted(arms, key=lambda a: -a.per_s))
 
-    def verify_steps(self) -> float | None:
-        """What a verify of a full round (K drafts + 1) costs in plain steps on this machine: the number of tokens
-        a round must give to pay; None until both are measured."""
-        plain, verify = self.rates.get("off"), self.verify.cost(self.k + 1) if self.k else None
+    def verify_steps(self, k: int) -> float | None:
+        """What a verify of a full round of `k` drafts (k + 1 positions) costs in plain steps on this machine: the
+        number of tokens a round must give to pay; None until both are measured. The caller's K, the one it names
+        beside the figure (the last round's K may be a long suffix match's 15)."""
+        plain, verify = self.rates.get("off"), self.verify.cost(k + 1) if k else None
         return verify * plain.per_s if verify is not None and plain is not None and plain.per_s > 0 else None
 
     def score_shadows(self, emitted: list[int], ended: bool) -> None:

@@ -734,3 +734,15 @@ def test_the_bound_spreads_as_far_as_the_arms_own_rounds_vary():
         middling.add(tokens, 1.0, at=i + 1)
     assert middling.spread == pytest.approx(0.2)  # rates 3, 2, 3, 2 (exponentially weighted): sd 0.5 over 2.5
     assert Rate.remembered({"tokens": 4, "seconds": 2, "rounds": 50, "at": 1e9}, 1e9).spread == SPREAD
+
+
+def test_a_rounds_verify_in_steps_is_priced_at_the_k_the_caller_names():
+    """The panel says "a (K+1)-position verify costs N steps" with its own K: the figure must be for K + 1 positions,
+    not for the latest round's (a suffix round asks for 15 drafts; the chat once read 6.5 steps for 5 positions)."""
+    auto = auto_with("draft")
+    auto.observe(record("draft", drafted=4, verify_s=0.030, draft_len=4))  # 5 positions: 1.5 steps
+    auto.observe(record("suffix", drafted=14, verify_s=0.120, draft_len=15))  # 15 positions: 6 steps
+    auto.rates = {"off": rate(50.0)}  # a plain step 20 ms
+    assert auto.k == 15
+    assert auto.verify_steps(4) == pytest.approx(1.5) and auto.verify_steps(14) == pytest.approx(6.0)
+    assert auto.verify_steps(0) is None
